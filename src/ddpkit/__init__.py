@@ -1,0 +1,42 @@
+"""ddpkit: NCCL multi-GPU training with PyTorch that works the first time.
+
+    import ddpkit
+    s = ddpkit.setup()
+    model = s.wrap(model)
+
+This module only re-exports. Names are resolved lazily so that `ddpkit --help` and the launcher
+start without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ddpkit._version import __version__
+from ddpkit.errors import DdpkitError
+
+if TYPE_CHECKING:  # noqa: SIM108 - for type checkers and IDEs only
+    from ddpkit.env import DistEnv, read_env  # noqa: F401
+    from ddpkit.seeding import seed_everything  # noqa: F401
+    from ddpkit.session import Session, Step, setup, unwrap  # noqa: F401
+
+_LAZY = {
+    "setup": "ddpkit.session",
+    "unwrap": "ddpkit.session",
+    "Session": "ddpkit.session",
+    "Step": "ddpkit.session",
+    "DistEnv": "ddpkit.env",
+    "read_env": "ddpkit.env",
+    "seed_everything": "ddpkit.seeding",
+}
+
+__all__ = ["DdpkitError", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,70 @@
+"""The `ddpkit` command: a tiny dispatcher over one module per subcommand.
+
+Each command module exposes `add_parser(sub)` and `run(args) -> int`, and imports torch only
+inside `run`, so `ddpkit --help` stays fast. `main()` turns a DdpkitError into `error:` and
+`fix:` lines and an exit code (2 usage/config, 1 runtime); tracebacks only with --debug or
+DDPKIT_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from ddpkit._version import __version__
+from ddpkit.errors import DdpkitError, debug_enabled
+
+COMMANDS = ("run", "demo", "ps", "kill")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"error: {message}\nfix: see `{self.prog} --help`", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ddpkit",
+        description="Multi-GPU PyTorch training that works the first time.",
+        epilog="Start here: `ddpkit demo`; then `ddpkit run -n gpu train.py`.",
+    )
+    parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        importlib.import_module(f"ddpkit.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    target: list[str] | None = None
+    if "run" in words:  # the script's own arguments must not meet argparse
+        from ddpkit.cli.run import split_argv
+
+        at = words.index("run")
+        own, target = split_argv(words[at + 1 :])
+        words = [*words[: at + 1], *own]
+    args = parser.parse_args(words)
+    if target is not None and args.command == "run":
+        args.target = target
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.debug:
+        os.environ["DDPKIT_DEBUG"] = "1"
+    try:
+        return int(args.handler(args))
+    except DdpkitError as err:
+        if debug_enabled():
+            raise
+        print(err.render(), file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130

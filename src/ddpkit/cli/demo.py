@@ -1,0 +1,34 @@
+"""`ddpkit demo`: the bundled example (digits classification on real data that ships with
+ddpkit) on every visible GPU, or on 2 CPU processes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="train the bundled example on all GPUs (or 2 CPU procs)", description=__doc__
+    )
+    p.add_argument(
+        "-n", "--nproc-per-node", default="auto", help="processes: N, gpu, cpu or auto (default)"
+    )
+    p.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
+    p.add_argument("--log-dir", default=None, help="folder for this run's logs")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpkit.cli.run import start
+    from ddpkit.launch import config
+
+    ns = argparse.Namespace(**{k.replace("-", "_"): v for k, (v, _) in config.OPTIONS.items()})
+    ns.nproc_per_node, ns.log_dir = args.nproc_per_node, args.log_dir
+    ns.module, ns.no_python = "ddpkit.examples.digits", False
+    ns.target = ["--epochs", str(args.epochs)]
+    for flag in ("grace", "init_timeout"):
+        var = f"DDPKIT_{flag.upper()}"
+        if var in os.environ:
+            setattr(ns, flag, os.environ[var])
+    return start(config.from_args(ns))

@@ -1,0 +1,68 @@
+"""`ddpkit run`: start N workers of a script the way torchrun would, and never leave one behind."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ddpkit.launch import config
+
+USAGE = "ddpkit run [options] script.py [args] | -m module [args] | --no-python cmd [args]"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="launch a training script on N processes (like torchrun)",
+        usage=USAGE,
+        description=__doc__,
+    )
+    config.add_options(p, os.environ)
+    p.add_argument("-m", "--module", metavar="MODULE", help="run a module, like python -m")
+    p.add_argument(
+        "--no-python", action="store_true", help="run the target as a program, not with python"
+    )
+    p.set_defaults(handler=run, target=[])
+
+
+FLAGS_WITHOUT_VALUE = {"--no-python", "-h", "--help"}
+
+
+def split_argv(words: list[str]) -> tuple[list[str], list[str]]:
+    """ddpkit's options vs the script and its arguments: everything from the script name (or
+    the word after -m) on belongs to the script, even words that look like options."""
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            return words[:i], words[i + 1 :]
+        if word in ("-m", "--module"):
+            return words[: i + 2], words[i + 2 :]
+        if word.startswith("-m") and not word.startswith("--") or word.startswith("--module="):
+            return words[: i + 1], words[i + 1 :]
+        if not word.startswith("-"):
+            return words[:i], words[i:]
+        i += 1 if "=" in word or word in FLAGS_WITHOUT_VALUE else 2
+    return words, []
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config.from_args(args)
+    return start(cfg)
+
+
+def start(cfg: config.LaunchConfig) -> int:
+    """Check the port, then hand over to the supervisor (which imports torch)."""
+    from ddpkit.launch import ports
+
+    warning = ports.warn_privileged(cfg.master_port)
+    if warning:
+        print(f"ddpkit: warning: {warning}", file=sys.stderr, flush=True)
+    if cfg.master_port and (not cfg.multi_node or cfg.node_rank == 0):
+        from ddpkit.launch.nodes import bind_host
+
+        ports.listen(bind_host(cfg.master_addr), cfg.master_port).close()
+    from ddpkit.launch.supervisor import launch
+
+    return launch(cfg)

@@ -1,0 +1,1 @@
+"""Data bundled with ddpkit (see README.md here)."""

@@ -1,0 +1,70 @@
+"""Errors a user can cause, each carrying a one-line fix.
+
+Every ddpkit error is a `DdpkitError`: `str(err)` says what happened and why, `err.fix` says
+what to do. The CLI prints both without a traceback; `install_excepthook` does the same for
+scripts that call `ddpkit.setup()`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import TracebackType
+
+
+class DdpkitError(Exception):
+    """Base of every error a user can cause. `exit_code` is 2 for usage/config, 1 for runtime."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
+
+    def render(self) -> str:
+        text = f"error: {self}"
+        if self.fix:
+            text += f"\nfix: {self.fix}"
+        return text
+
+
+class ConfigError(DdpkitError):
+    """Bad input: a flag, an argument or a file the user named."""
+
+    exit_code = 2
+
+
+class EnvError(ConfigError):
+    """A distributed environment variable is malformed or contradicts another."""
+
+
+class InitTimeoutError(DdpkitError):
+    """Peers did not arrive at process-group init within the timeout."""
+
+
+class LaunchError(DdpkitError):
+    """The launcher could not start or keep the job running."""
+
+
+class CheckpointError(DdpkitError):
+    """A checkpoint could not be read or written."""
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("DDPKIT_DEBUG", "") not in ("", "0")
+
+
+def install_excepthook() -> None:
+    """Print an uncaught DdpkitError as `error:` / `fix:` lines instead of a traceback."""
+    previous = sys.excepthook
+    if getattr(previous, "_ddpkit", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(value, DdpkitError) and not debug_enabled():
+            print(value.render(), file=sys.stderr, flush=True)
+            return
+        previous(kind, value, tb)
+
+    hook._ddpkit = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

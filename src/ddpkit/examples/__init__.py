@@ -1,0 +1,1 @@
+"""Examples that ship with ddpkit (the demo runs digits)."""

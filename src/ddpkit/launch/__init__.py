@@ -1,0 +1,2 @@
+"""The launcher behind `ddpkit run`: config -> workers (through a bootstrap) -> supervisor ->
+report. Nothing here imports torch at module import time."""

@@ -1,0 +1,149 @@
+"""The first code a worker runs: ties the worker to the launcher, then runs the user's script.
+
+`python -m ddpkit.launch.bootstrap script|module|command TARGET [ARGS...]`
+
+Before the user's code: the kernel is asked to SIGKILL this process when the launcher dies
+(PR_SET_PDEATHSIG), faulthandler dumps every thread's stack to the rank's stack file on SIGUSR1
+(works while blocked in C code), and init_process_group is watched so the launcher can tell which
+ranks reached init. An uncaught exception is written, with its time, to the rank's error file so
+the launcher can tell the root cause from the ranks that failed because of it. The user's script
+then runs as `__main__`, as `python script.py` would run it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+STATE_DIR = os.environ.get("DDPKIT_STATE_DIR", "")
+RANK = os.environ.get("RANK", "0")
+
+
+def state_file(name: str) -> Path:
+    return Path(STATE_DIR) / f"rank{RANK}.{name}"
+
+
+def set_phase(phase: str) -> None:
+    """Record this rank's phase (started / init / ready) for the launcher."""
+    if STATE_DIR:
+        state_file("phase").write_text(f"{phase} {time.time():.3f}\n")
+
+
+def tie_to_launcher() -> None:
+    """SIGKILL this process when the launcher dies, even by SIGKILL (Linux only)."""
+    launcher = int(os.environ.get("DDPKIT_LAUNCHER_PID", "0"))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if launcher and os.getppid() != launcher:  # the launcher died before prctl took effect
+        os._exit(128 + signal.SIGKILL)
+
+
+class _InitWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Wraps torch.distributed's init_process_group once that module is imported, to mark
+    when this rank enters and leaves init. No torch import is triggered by this."""
+
+    target = "torch.distributed.distributed_c10d"
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != self.target:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        inner = spec.loader
+        watcher = self
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> ModuleType | None:
+                return inner.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                inner.exec_module(module)
+                watcher.patch(module)
+
+        spec.loader = Loader()
+        return spec
+
+    @staticmethod
+    def patch(module: ModuleType) -> None:
+        original = module.init_process_group
+
+        @functools.wraps(original)
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            set_phase("init")
+            result = original(*args, **kwargs)
+            set_phase("ready")
+            return result
+
+        module.init_process_group = init_process_group
+
+
+def record_errors() -> None:
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if STATE_DIR and not issubclass(kind, KeyboardInterrupt):
+            record = {
+                "time": time.time(),
+                "type": kind.__name__,
+                "message": str(value),
+                "traceback": "".join(traceback.format_exception(kind, value, tb)),
+            }
+            try:
+                state_file("error").write_text(json.dumps(record))
+            except OSError:
+                pass
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def dump_stacks_on_signal() -> None:
+    if not STATE_DIR:
+        return
+    stacks = open(state_file("stacks"), "a")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+
+
+def main(argv: list[str]) -> None:
+    kind, target, *args = argv
+    tie_to_launcher()
+    set_phase("started")
+    if kind == "command":
+        os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec
+    dump_stacks_on_signal()
+    sys.meta_path.insert(0, _InitWatcher())
+    from ddpkit.errors import install_excepthook
+
+    install_excepthook()
+    record_errors()
+    if kind == "module":
+        sys.argv = [target, *args]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,259 @@
+"""argv (and DDPKIT_* variables) -> a checked, frozen LaunchConfig. Nothing starts here.
+
+Every flag can come from an environment variable named DDPKIT_<FLAG> (dashes as
+underscores, e.g. DDPKIT_NPROC_PER_NODE=2); a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ddpkit.env import DEFAULT_PORT, LOOPBACK, expand_hostlist
+from ddpkit.errors import ConfigError
+from ddpkit.gpus import visible_gpu_count
+
+TargetKind = Literal["script", "module", "command"]
+
+# flag -> (default, help); the environment variable is DDPKIT_ + flag in upper snake case.
+OPTIONS: dict[str, tuple[str | None, str]] = {
+    "nproc-per-node": (
+        "auto",
+        "processes on this node: N, gpu (one per visible GPU), cpu "
+        "(2 CPU processes on gloo) or auto (gpu when there are GPUs, else cpu)",
+    ),
+    "nnodes": ("1", "number of nodes"),
+    "node-rank": (None, "this node's rank, with --master-addr (static multi-node)"),
+    "rdzv": (None, "HOST:PORT of torch elastic's c10d rendezvous, for multi-node"),
+    "master-addr": (None, "rank 0's address for static multi-node (default: loopback)"),
+    "master-port": ("0", "port of the job's store; 0 picks a free one without a race"),
+    "max-restarts": ("0", "restart the whole group this many times after a failure"),
+    "grace": ("5", "seconds between SIGTERM and SIGKILL when stopping workers"),
+    "init-timeout": ("300", "seconds a rank may wait at init for a peer that never arrives"),
+    "log-dir": (None, "folder for this run's logs (default: a new 0700 folder in /tmp)"),
+    "ranks": (None, "only these ranks' output on the console, e.g. 0 or 0,2 (logs get all)"),
+    "run-id": (None, "job id (default: random); shown by `ddpkit ps`"),
+}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    kind: TargetKind
+    target: str
+    args: tuple[str, ...]
+    nproc_per_node: int
+    backend: str  # "nccl", "gloo" or "auto": what the workers are told (DDPKIT_BACKEND)
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv: str | None = None
+    master_addr: str = LOOPBACK
+    master_port: int = 0
+    max_restarts: int = 0
+    grace: float = 5.0
+    init_timeout: float = 300.0
+    log_dir: Path | None = None
+    ranks: frozenset[int] | None = None
+    run_id: str = ""
+    omp_threads: int | None = None
+    run_id_given: bool = False
+    master_addr_given: bool = False
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+
+def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    for flag, (default, text) in OPTIONS.items():
+        var = "DDPKIT_" + flag.upper().replace("-", "_")
+        names = [f"--{flag}"]
+        if flag == "nproc-per-node":
+            names = ["-n", "--nproc-per-node", "--nproc_per_node"]
+        elif "-" in flag:
+            names.append(f"--{flag.replace('-', '_')}")  # torchrun's spelling
+        parser.add_argument(
+            *names,
+            dest=flag.replace("-", "_"),
+            metavar=flag.split("-")[-1].upper(),
+            default=environ.get(var, default),
+            help=f"{text} [${var}]",
+        )
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    env = os.environ if environ is None else environ
+    kind, target, rest = _target(args)
+    nnodes, node_rank, master_addr, master_port = _nodes(args, env)
+    nproc, backend = _nproc(args.nproc_per_node, env)
+    max_restarts = _number(args.max_restarts, "--max-restarts", int, minimum=0)
+    if max_restarts and nnodes > 1:
+        raise ConfigError(
+            "--max-restarts with several nodes is not supported yet",
+            fix="restart single-node jobs with ddpkit; use torchrun for elastic "
+            "multi-node restarts",
+        )
+    if nnodes > 1 and not args.rdzv and node_rank is None:
+        raise ConfigError(
+            f"--nnodes {nnodes} needs to know how the nodes meet",
+            fix="add --rdzv HOST:PORT (same on every node), or --node-rank K "
+            "and --master-addr HOST",
+        )
+    return LaunchConfig(
+        kind=kind,
+        target=target,
+        args=rest,
+        nproc_per_node=nproc,
+        backend=backend,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv=_endpoint(args.rdzv) if args.rdzv else None,
+        master_addr=master_addr,
+        master_port=master_port,
+        max_restarts=max_restarts,
+        grace=_number(args.grace, "--grace", float, minimum=0),
+        init_timeout=_number(args.init_timeout, "--init-timeout", float, minimum=0.1),
+        log_dir=Path(args.log_dir).expanduser() if args.log_dir else None,
+        ranks=_ranks(args.ranks) if args.ranks else None,
+        run_id=args.run_id or uuid.uuid4().hex[:8],
+        omp_threads=None if "OMP_NUM_THREADS" in env else _omp_threads(nproc),
+        run_id_given=bool(args.run_id),
+        master_addr_given=bool(args.master_addr),
+    )
+
+
+def _target(args: argparse.Namespace) -> tuple[TargetKind, str, tuple[str, ...]]:
+    words = list(args.target)
+    if args.module:
+        return "module", args.module, tuple(words)
+    if not words:
+        raise ConfigError(
+            "no script to run", fix="ddpkit run [options] train.py [args], or -m package.module"
+        )
+    first, rest = words[0], tuple(words[1:])
+    if args.no_python:
+        if shutil.which(first) is None and not Path(first).is_file():
+            raise ConfigError(
+                f"command {first!r} not found on PATH", fix="give the full path, or install it"
+            )
+        return "command", first, rest
+    if first.startswith("-"):
+        raise ConfigError(
+            f"unknown option {first!r} before the script",
+            fix="see `ddpkit run --help`; options go before the script name",
+        )
+    if not Path(first).is_file():
+        raise ConfigError(
+            f"script {first!r} not found (looked in {Path.cwd()})",
+            fix="check the path; to run a module use -m package.module",
+        )
+    return "script", str(Path(first)), rest
+
+
+def _nproc(value: str, env: Mapping[str, str]) -> tuple[int, str]:
+    gpus = visible_gpu_count(dict(env))
+    word = str(value).strip().lower()
+    if word == "auto":
+        word = "gpu" if gpus else "cpu"
+    if word == "cpu":
+        return 2, "gloo"
+    if word == "gpu":
+        if not gpus:
+            shown = env.get("CUDA_VISIBLE_DEVICES", "<unset>")
+            raise ConfigError(
+                "-n gpu asks for one process per GPU, and no GPU is visible "
+                f"(CUDA_VISIBLE_DEVICES={shown})",
+                fix="use -n cpu (or a number) to run on the CPU with gloo",
+            )
+        return gpus, "nccl"
+    n = _number(value, "-n/--nproc-per-node", int, minimum=1, allowed="a number, gpu, cpu or auto")
+    if gpus and n > gpus:
+        raise ConfigError(
+            f"-n {n} starts {n} processes but only {gpus} GPU(s) are visible; with nccl each "
+            "rank needs its own GPU",
+            fix=f"use -n {gpus} (or -n gpu), or -n cpu to run CPU processes on gloo",
+        )
+    return n, "auto" if gpus else "gloo"
+
+
+def _nodes(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int | None, str, int]:
+    nnodes = _number(args.nnodes, "--nnodes", int, minimum=1)
+    node_rank = (
+        None if args.node_rank is None else _number(args.node_rank, "--node-rank", int, minimum=0)
+    )
+    master_addr = args.master_addr or LOOPBACK
+    master_port = _number(args.master_port, "--master-port", int, minimum=0)
+    if master_port > 65535:
+        raise ConfigError(
+            f"--master-port {master_port} is not a TCP port (1-65535)",
+            fix="use a port above 1024, or leave it out",
+        )
+    slurm_nodes = int(env.get("SLURM_NNODES", "1") or 1)
+    if "SLURM_PROCID" in env and slurm_nodes > 1 and nnodes == 1 and not args.rdzv:
+        # `srun ddpkit run ...`: one launcher per node, nodes and rank 0's host from SLURM.
+        tasks = int(env.get("SLURM_NTASKS", slurm_nodes) or slurm_nodes)
+        if tasks != slurm_nodes:
+            raise ConfigError(
+                f"srun started {tasks} tasks on {slurm_nodes} nodes; ddpkit run starts the "
+                "processes of a node itself, so it needs exactly one task per node",
+                fix="srun --ntasks-per-node=1 ddpkit run -n gpu train.py",
+            )
+        nnodes, node_rank = slurm_nodes, int(env.get("SLURM_NODEID", "0"))
+        hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+        master_addr = args.master_addr or (hosts[0] if hosts else LOOPBACK)
+        job = env.get("SLURM_JOB_ID", "")
+        master_port = master_port or (15000 + int(job[-4:]) if job.isdigit() else DEFAULT_PORT)
+    if nnodes > 1 and node_rank is not None:
+        if node_rank >= nnodes:
+            raise ConfigError(
+                f"--node-rank {node_rank} but --nnodes {nnodes}",
+                fix=f"node ranks run from 0 to {nnodes - 1}",
+            )
+        if not master_port:
+            raise ConfigError(
+                "static multi-node needs a fixed --master-port on every node",
+                fix="add --master-port P (the same on every node)",
+            )
+    return nnodes, node_rank, master_addr, master_port
+
+
+def _endpoint(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv {text!r} is not HOST:PORT", fix="e.g. --rdzv node0:29400")
+    return text
+
+
+def _ranks(text: str) -> frozenset[int]:
+    try:
+        return frozenset(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise ConfigError(
+            f"--ranks {text!r} is not a list of ranks", fix="e.g. --ranks 0 or --ranks 0,2"
+        ) from None
+
+
+def _number(value: object, flag: str, kind: type, minimum: float, allowed: str = "") -> Any:
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{flag} {value!r} is not {allowed or 'a number'}",
+            fix=f"see `ddpkit run --help` for {flag}",
+        ) from None
+    if number < minimum:
+        raise ConfigError(
+            f"{flag} {value!r} must be at least {minimum:g}",
+            fix=f"see `ddpkit run --help` for {flag}",
+        )
+    return number
+
+
+def _omp_threads(nproc: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // nproc)

@@ -1,0 +1,55 @@
+"""Ports for the job's store: a free one held open from the moment it is chosen (no race), or
+the user's, checked, with the process that holds it named when it is busy."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from ddpkit.errors import LaunchError
+
+log = logging.getLogger("ddpkit.launch")
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A listening socket on host:port (port 0: the kernel picks a free one). The launcher
+    keeps it and hands it to the store, so no other process can take the port in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        holder = port_holder(port)
+        by = f" by {holder}" if holder else ""
+        raise LaunchError(
+            f"port {port} on {host or 'all interfaces'} is already in use{by} ({err.strerror})",
+            fix="pick another with --master-port, or leave it out and ddpkit picks a free one"
+            + (f"; `ddpkit kill {holder.split()[1]}` ends a leftover job" if holder else ""),
+        ) from None
+    sock.listen(1024)
+    sock.set_inheritable(False)
+    return sock
+
+
+def port_holder(port: int) -> str:
+    """'pid N (name)' of the process listening on `port`, when this user can see it."""
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:
+                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+    except Exception:
+        pass
+    return ""
+
+
+def warn_privileged(port: int) -> str | None:
+    if 0 < port < 1024:
+        return (
+            f"--master-port {port} is a privileged port (below 1024): it needs root and "
+            "clashes with system services; fix: use a port above 1024, or leave it out"
+        )
+    return None

@@ -1,0 +1,119 @@
+"""What happened to a job, in a few lines: the root-cause rank, how it ended, and its last
+words (stderr tail), followed by the other ranks and where the logs are.
+
+The root cause is the rank that failed first: each rank's bootstrap writes uncaught exceptions
+with a timestamp to its own error file, so a rank whose peers died of "connection reset" is
+not blamed for them.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"died of {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died of signal {-code}"
+    return f"exited with code {code}"
+
+
+def exit_code_of(code: int) -> int:
+    """A rank's return code as a shell would report it: 128+N for signal N."""
+    return 128 - code if code < 0 else code
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    exit_code: int
+    summary: str = ""
+    interrupted: bool = False
+    root_rank: int | None = None
+    text: str = ""
+    failed: list[Any] = field(default_factory=list)
+    error_times: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def success(cls) -> Outcome:
+        return cls(ok=True, exit_code=0)
+
+    @classmethod
+    def interrupted_by(cls, name: str, code: int) -> Outcome:
+        return cls(
+            ok=False,
+            exit_code=code,
+            interrupted=True,
+            summary=f"stopped by {name}: every rank was stopped",
+        )
+
+    @classmethod
+    def launcher_failure(cls, summary: str) -> Outcome:
+        return cls(ok=False, exit_code=1, summary=summary)
+
+    @classmethod
+    def rank_failed(cls, failed: list[Any], state_dir: Path) -> Outcome:
+        errors: dict[int, dict[str, Any]] = {}
+        for w in failed:
+            try:
+                errors[w.rank] = json.loads((state_dir / f"rank{w.rank}.error").read_text())
+            except (OSError, ValueError):
+                pass
+
+        def failed_at(w: Any) -> float:
+            recorded = errors.get(w.rank, {}).get("time")
+            return float(recorded) if recorded else w.ended_wall
+
+        root = min(failed, key=failed_at)
+        summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
+        if root.rank in errors:
+            summary += f" ({errors[root.rank]['type']}: {errors[root.rank]['message']})"
+        return cls(
+            ok=False,
+            exit_code=exit_code_of(root.exit_code),
+            summary=summary,
+            root_rank=root.rank,
+            failed=failed,
+        )
+
+    def finalize(self, workers: list[Any], run_dir: Path) -> None:
+        """Write the report (console text and run_dir/report.txt) once outputs are closed."""
+        if self.ok:
+            return
+        lines = ["", "ddpkit: the job failed", f"  root cause: {self.summary}"]
+        root = next((w for w in workers if w.rank == self.root_rank), None)
+        if root is not None:
+            tail = list(root.output.stderr_tail)[-15:]
+            if tail:
+                lines.append(f"  last lines of rank {root.rank}'s stderr:")
+                lines.extend(f"    | {line}" for line in tail)
+        others = [w for w in workers if w is not root]
+        if others:
+            lines.append(
+                "  other ranks: "
+                + "; ".join(
+                    f"{w.rank} {'stopped by ddpkit' if w.stopped else describe_exit(w.exit_code)}"
+                    for w in others
+                )
+            )
+        lines.append(f"  logs: {run_dir}")
+        lines.append(f"  exit code: {self.exit_code}")
+        self.text = "\n".join(lines)
+        (run_dir / "report.txt").write_text(self.text.lstrip("\n") + "\n")
+
+
+def wall_now() -> float:
+    return time.time()

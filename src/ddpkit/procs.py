@@ -1,0 +1,234 @@
+"""Distributed-training processes on this machine: find them, describe them, end them.
+
+A process belongs to a job when its environment says so: DDPKIT_RUN_ID (ddpkit run),
+TORCHELASTIC_RUN_ID (torchrun), or RANK with WORLD_SIZE (started by hand). The environment is
+inherited by everything a worker starts, so data-loader workers and subprocesses are found
+even when they left the worker's process group. Ending is always TERM, grace, then KILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import psutil
+
+LAUNCHER_WORDS = (
+    "ddpkit run",
+    "ddpkit.cli run",
+    "torchrun",
+    "torch.distributed.run",
+    "torch.distributed.launch",
+)
+
+
+@dataclass
+class TrainingProcess:
+    pid: int
+    job: str
+    rank: str  # "" for a launcher, "launcher" shown instead
+    role: str  # launcher | worker | child
+    state: str
+    age_s: float
+    cmd: str
+    orphan: bool
+    ports: list[int] = field(default_factory=list)
+    gpu_mem_mib: int | None = None
+
+
+def job_of(environ: dict[str, str]) -> str | None:
+    if "DDPKIT_RUN_ID" in environ:
+        return environ["DDPKIT_RUN_ID"]
+    if "TORCHELASTIC_RUN_ID" in environ:
+        return "torchrun:" + environ["TORCHELASTIC_RUN_ID"]
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return "env:" + environ.get("MASTER_PORT", "?")
+    return None
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except (psutil.Error, OSError):
+        return {}
+
+
+def _launcher_job(proc: psutil.Process) -> str | None:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return None
+    if not any(word in cmd for word in LAUNCHER_WORDS):
+        return None
+    for child in proc.children():
+        job = job_of(_environ(child))
+        if job:
+            return job
+    return None
+
+
+def list_training_processes() -> list[TrainingProcess]:
+    """Every launcher, worker and worker's child visible to this user."""
+    gpu_mem = _gpu_memory_by_pid()
+    me = os.getpid()
+    found: list[TrainingProcess] = []
+    for proc in psutil.process_iter(["pid", "ppid", "create_time", "status", "cmdline"]):
+        if proc.pid == me:
+            continue
+        environ = _environ(proc)
+        job = job_of(environ)
+        role = "worker" if job and environ.get("RANK") is not None else "child"
+        if job is None:
+            job = _launcher_job(proc)
+            role = "launcher"
+        elif "DDPKIT_LAUNCHER_PID" not in environ and _launcher_job(proc):
+            role = "launcher"
+        if job is None:
+            continue
+        if role == "worker" and proc.info["ppid"] and _is_job_member(proc.info["ppid"], job):
+            role = "child"  # e.g. a DataLoader worker: same env as its rank
+        found.append(
+            TrainingProcess(
+                pid=proc.pid,
+                job=job,
+                rank=environ.get("RANK", "") if role != "launcher" else "",
+                role=role,
+                state=proc.info["status"],
+                age_s=time.time() - proc.info["create_time"],
+                cmd=" ".join(proc.info["cmdline"] or [])[:80],
+                orphan=_is_orphan(proc, environ),
+                ports=_listening_ports(proc),
+                gpu_mem_mib=gpu_mem.get(proc.pid),
+            )
+        )
+    return sorted(found, key=lambda p: (p.job, p.role != "launcher", p.rank, p.pid))
+
+
+def _is_job_member(pid: int, job: str) -> bool:
+    try:
+        return job_of(_environ(psutil.Process(pid))) == job
+    except psutil.Error:
+        return False
+
+
+def _is_orphan(proc: psutil.Process, environ: dict[str, str]) -> bool:
+    launcher = environ.get("DDPKIT_LAUNCHER_PID")
+    if launcher and launcher.isdigit() and not psutil.pid_exists(int(launcher)):
+        return True
+    try:
+        return proc.ppid() in (0, 1) or not psutil.pid_exists(proc.ppid())
+    except psutil.Error:
+        return False
+
+
+def _listening_ports(proc: psutil.Process) -> list[int]:
+    try:
+        conns = proc.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN})
+
+
+def _gpu_memory_by_pid() -> dict[int, int]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    used: dict[int, int] = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                mib = (p.usedGpuMemory or 0) // 2**20
+                used[p.pid] = used.get(p.pid, 0) + mib
+    except Exception:
+        pass
+    finally:
+        pynvml.nvmlShutdown()
+    return used
+
+
+def processes_of_job(job: str) -> list[psutil.Process]:
+    """Processes whose environment names `job`, and every descendant of those."""
+    members: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter():
+        if proc.pid != os.getpid() and job_of(_environ(proc)) == job:
+            members[proc.pid] = proc
+    for proc in list(members.values()):
+        try:
+            for child in proc.children(recursive=True):
+                members.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    return list(members.values())
+
+
+def terminate(
+    procs: Iterable[psutil.Process], grace: float, groups: Iterable[int] = ()
+) -> list[psutil.Process]:
+    """SIGTERM `procs` and process groups `groups`, wait up to `grace` s, SIGKILL what is
+    left, and wait until it is gone. Returns the processes that were signalled."""
+    targets = {p.pid: p for p in procs if p.pid != os.getpid()}
+    group_ids = list(groups)
+    for pgid in group_ids:
+        _killpg(pgid, signal.SIGTERM)
+        for member in _group_members(pgid):
+            targets.setdefault(member.pid, member)
+    for proc in targets.values():
+        _signal(proc, signal.SIGTERM)
+    alive = wait_gone(list(targets.values()), grace)
+    for pgid in group_ids:
+        _killpg(pgid, signal.SIGKILL)
+    for proc in alive:
+        _signal(proc, signal.SIGKILL)
+    wait_gone(alive, 5.0)
+    return list(targets.values())
+
+
+def is_alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has exited; its parent has yet to reap it). Never
+    reaps: the launcher's Popen objects must see their workers' exit codes."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to `timeout` s for `procs` to exit; return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if is_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if is_alive(p)]
+    return alive
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                members.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+        pass

@@ -1,0 +1,361 @@
+"""`ddpkit.setup()`: join the job (or run alone), and the helpers that make one script run on
+CPU, one GPU or many.
+
+setup() reads the environment (`ddpkit.env`), picks the backend (nccl when each local rank has a
+GPU of its own, else gloo) and the device (from the LOCAL rank), sets the device before init,
+waits for every peer with a bounded timeout that names who is missing, and inits eagerly where
+torch can. With no launcher variables it runs as one process and never blocks. The process
+group is destroyed by `close()`, on leaving a `with` block, or at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit import checkpoint, comm, loaders
+from ddpkit.env import DistEnv, check_gpu_fit, read_env
+from ddpkit.errors import ConfigError, EnvError, InitTimeoutError, install_excepthook
+from ddpkit.seeding import seed_everything
+
+DEFAULT_INIT_TIMEOUT = 300.0
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass
+class Step:
+    """One micro-step inside `Session.accumulate`: `sync` is True on the step that should
+    call optimizer.step()."""
+
+    index: int
+    sync: bool
+
+
+class Session:
+    """This process's place in the job and the helpers that depend on it."""
+
+    def __init__(
+        self, env: DistEnv, backend: str, device: torch.device, seed: int, owns_group: bool
+    ) -> None:
+        self.env = env
+        self.backend = backend
+        self.device = device
+        self.seed = seed
+        self._owns_group = owns_group
+        self._micro_steps: dict[int, int] = {}
+        atexit.register(self.close)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Session(rank={self.rank}, local_rank={self.local_rank}, world_size="
+            f"{self.world_size}, backend={self.backend!r}, device={str(self.device)!r})"
+        )
+
+    # -- model ---------------------------------------------------------------------------
+
+    def wrap(self, model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
+        """Move `model` to this rank's device; wrap it in DistributedDataParallel when the job
+        has more than one process (device_ids = this LOCAL rank on GPU)."""
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.device.type == "cuda":
+            ddp_kwargs.setdefault("device_ids", [self.device.index])
+            ddp_kwargs.setdefault("output_device", self.device.index)
+        return DistributedDataParallel(model, **ddp_kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module, every: int) -> Iterator[Step]:
+        """One micro-step of gradient accumulation: gradients are synchronised only on every
+        `every`-th call (step.sync is True then); the others run under DDP's no_sync."""
+        if every < 1:
+            raise ConfigError(
+                f"accumulate(every={every}) must be at least 1",
+                fix="pass every=1 for no accumulation, or the micro-step count",
+            )
+        count = self._micro_steps.get(id(model), 0) + 1
+        self._micro_steps[id(model)] = count
+        step = Step(index=count, sync=count % every == 0)
+        no_sync = getattr(model, "no_sync", None)
+        if step.sync or no_sync is None:
+            yield step
+        else:
+            with no_sync():
+                yield step
+
+    # -- data ----------------------------------------------------------------------------
+
+    def loader(
+        self,
+        dataset: Any,
+        batch_size: int,
+        shuffle: bool = True,
+        eval: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> torch.utils.data.DataLoader:  # noqa: A002
+        """This rank's share of `dataset` (see ddpkit.loaders.make_loader)."""
+        return loaders.make_loader(
+            dataset,
+            batch_size,
+            self.rank,
+            self.world_size,
+            self.seed,
+            shuffle=shuffle,
+            eval=eval,
+            **dataloader_kwargs,
+        )
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def reduce(self, value: Any, op: str = "mean") -> Any:
+        return comm.reduce(value, self._comm_device, op)
+
+    def gather(self, value: Any) -> list[Any]:
+        return comm.gather(value, self._comm_device)
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. to download or build a cache), then the rest."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    # -- output --------------------------------------------------------------------------
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on global rank 0 only."""
+        if self.is_main:
+            kwargs.setdefault("flush", True)
+            builtins.print(*args, **kwargs)
+
+    def progress(self, iterable: Iterable[Any], **tqdm_kwargs: Any) -> Iterable[Any]:
+        """A tqdm progress bar on global rank 0; the bare iterable elsewhere."""
+        if not self.is_main:
+            return iterable
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, **tqdm_kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
+        """Collective: rank 0 writes `obj` atomically; every rank returns once it is on disk
+        (or every rank raises if writing failed)."""
+        error = None
+        if self.is_main:
+            try:
+                checkpoint.write_atomic(obj, path)
+            except OSError as err:
+                error = f"{path}: {err}"
+        if self.world_size > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, device=self._comm_device)
+            error = box[0]
+        if error is not None:
+            from ddpkit.errors import CheckpointError
+
+            raise CheckpointError(
+                f"rank 0 could not write the checkpoint {error}",
+                fix="check free space and permissions of that folder",
+            )
+
+    def load(self, path: str | os.PathLike[str], weights_only: bool = True) -> Any:
+        """Read a checkpoint onto this rank's device (weights_only=True by default)."""
+        return checkpoint.read(path, self.device, weights_only=weights_only)
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Destroy the process group this session created (safe to call twice)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def setup(
+    backend: str = "auto", timeout: float | timedelta | None = None, seed: int | None = None
+) -> Session:
+    """Join the job started by a launcher (ddpkit run, torchrun, srun, mpirun), or run as a
+    single process when there is none. `timeout` bounds init (peers must arrive within it) and
+    is the process group's collective timeout; default: 300 s for init
+    (DDPKIT_INIT_TIMEOUT), torch's default for collectives."""
+    install_excepthook()
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"setup(backend={backend!r}) is not one of {BACKENDS}",
+            fix="use 'auto' (nccl with one GPU per rank, else gloo)",
+        )
+    env = read_env()
+    seed_value = 0 if seed is None else seed
+    if seed is not None:
+        seed_everything(seed)
+    group_timeout = timedelta(seconds=timeout) if isinstance(timeout, int | float) else timeout
+    init_timeout = (
+        group_timeout.total_seconds()
+        if group_timeout is not None
+        else float(os.environ.get("DDPKIT_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT))
+    )
+    backend, device = _choose(env, os.environ.get("DDPKIT_BACKEND") or backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init: NCCL binds to the current device
+    if dist.is_initialized():  # the script (or a framework) already joined: adopt it
+        return Session(env, dist.get_backend(), device, seed_value, owns_group=False)
+    if env.launcher == "none":
+        print(
+            "ddpkit: no launcher variables found; running as a single process "
+            "(to use N GPUs: ddpkit run -n N script.py)",
+            file=sys.stderr,
+            flush=True,
+        )
+    store = _rendezvous(env, init_timeout)
+    kwargs: dict[str, Any] = {}
+    if group_timeout is not None:
+        kwargs["timeout"] = group_timeout
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL init: errors surface here, not at step 1
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, **kwargs
+    )
+    return Session(env, backend, device, seed_value, owns_group=True)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The nn.Module inside DistributedDataParallel and torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) if _is_ddp(model) else None
+        inner = inner if inner is not None else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel | DataParallel)
+
+
+def _choose(env: DistEnv, backend: str) -> tuple[str, torch.device]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        own_gpu = gpus >= env.local_world_size and dist.is_nccl_available()
+        if gpus and not own_gpu:
+            print(
+                f"ddpkit: {env.local_world_size} processes on this node but {gpus} GPU(s): "
+                "using gloo on the CPU",
+                file=sys.stderr,
+                flush=True,
+            )
+        backend = "nccl" if own_gpu and gpus else "gloo"
+    if backend == "nccl":
+        if not gpus:
+            raise EnvError(
+                "backend='nccl' needs a CUDA GPU, and none is visible",
+                fix="use backend='auto' or 'gloo' on CPU-only machines",
+            )
+        check_gpu_fit(env, gpus)
+        return "nccl", torch.device("cuda", env.local_rank)
+    return "gloo", torch.device("cpu")
+
+
+def _rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
+    """A store every rank shares, after every rank has arrived (or an error naming who did
+    not, within init_timeout)."""
+    if env.world_size == 1 and env.launcher == "none":
+        return dist.HashStore()
+    # Under ddpkit run / torchrun the launcher holds the store; otherwise rank 0 does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_server = env.rank == 0 and not agent_store
+    started = time.monotonic()
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_server,
+            timeout=timedelta(seconds=init_timeout),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    except (RuntimeError, dist.DistNetworkError) as err:
+        where = f"{env.master_addr}:{env.master_port}"
+        if is_server:
+            raise InitTimeoutError(
+                f"rank 0 could not listen on {where}: {err}",
+                fix="MASTER_PORT is probably in use: pick another, or let `ddpkit run` "
+                "choose a free one",
+            ) from err
+        raise InitTimeoutError(
+            f"rank {env.rank} could not reach rank 0 at {where} within {init_timeout:.0f} s",
+            fix="start every rank (ddpkit run does), and check MASTER_ADDR/MASTER_PORT",
+        ) from err
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"ddpkit/arrive/{attempt}/"
+    store.set(f"{prefix}{env.rank}", "1")
+    store.add(f"{prefix}count", 1)
+    deadline = started + init_timeout
+    while store.add(f"{prefix}count", 0) < env.world_size:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
+            arrived = env.world_size - len(missing)
+            raise InitTimeoutError(
+                f"{arrived} of {env.world_size} ranks arrived at init within "
+                f"{init_timeout:.0f} s; missing: rank {_ranges(missing)}",
+                fix="start every rank with the same WORLD_SIZE (ddpkit run does), or look at "
+                "why the missing ranks stopped before setup()",
+            )
+        time.sleep(0.02)
+    return dist.PrefixStore(f"ddpkit/pg/{attempt}", store)
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks)
