@@ -135,14 +135,30 @@ def main(argv: list[str]) -> None:
 
     install_excepthook()
     record_errors()
-    if kind == "module":
-        sys.argv = [target, *args]
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    sys.argv = [target, *args]
+    try:
+        if kind == "module":
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as err:
+        # Report it as `python script.py` would: without this file's and runpy's frames.
+        trimmed = _user_frames(err.__traceback__)
+        sys.excepthook(type(err), err.with_traceback(trimmed), trimmed)
+        sys.exit(1)
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
+    ):
+        tb = tb.tb_next
+    return tb
 
 
 if __name__ == "__main__":
