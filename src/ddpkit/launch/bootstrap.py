@@ -143,13 +143,54 @@ def main(argv: list[str]) -> None:
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as done:
+        exit_quickly(done.code)
+    except KeyboardInterrupt:
         raise
     except BaseException as err:
         # Report it as `python script.py` would: without this file's and runpy's frames.
         trimmed = _user_frames(err.__traceback__)
         sys.excepthook(type(err), err.with_traceback(trimmed), trimmed)
-        sys.exit(1)
+        exit_quickly(1)
+    exit_quickly(0)
+
+
+def exit_quickly(code: object) -> None:
+    """End the worker as the interpreter would, minus its final teardown.
+
+    Non-daemon threads are joined, atexit handlers run (ddpkit's close, logging, temp dirs,
+    multiprocessing), every open file is flushed, then the process exits without tearing down
+    the interpreter. That teardown is where PyTorch's gloo threads can abort the process
+    (SIGABRT, "terminate called without an active exception") after the script succeeded;
+    DDPKIT_CLEAN_EXIT=0 keeps the ordinary exit.
+    """
+    if os.environ.get("DDPKIT_CLEAN_EXIT", "1") == "0":
+        sys.exit(code)
+    import atexit
+    import gc
+    import io
+    import threading
+
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:

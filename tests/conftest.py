@@ -1,0 +1,54 @@
+"""Suite-wide guards: one thread per rank on a 2-core machine, gloo on loopback, and every test
+fails if it leaves a child process running or a process group initialised."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+for leaked in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    os.environ.pop(leaked, None)
+
+
+def _descendants() -> list[psutil.Process]:
+    procs = psutil.Process().children(recursive=True)
+    # multiprocessing's forkserver and resource tracker live for the whole session by design;
+    # the rank processes the forkserver forks do not
+    helpers = ("forkserver", "resource_tracker")
+    return [p for p in procs if not any(h in " ".join(_cmdline(p)) for h in helpers)
+            and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    yield
+    left = [p for p in _descendants() if p.is_running()]
+    if left:
+        gone, alive = psutil.wait_procs(left, timeout=3)
+        for p in alive:
+            p.kill()
+        assert not alive, f"processes left behind: {[(p.pid, _cmdline(p)) for p in alive]}"
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    yield
+    import sys
+
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            pytest.fail("the test left a process group initialised")
