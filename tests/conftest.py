@@ -19,8 +19,12 @@ def _descendants() -> list[psutil.Process]:
     # multiprocessing's forkserver and resource tracker live for the whole session by design;
     # the rank processes the forkserver forks do not
     helpers = ("forkserver", "resource_tracker")
-    return [p for p in procs if not any(h in " ".join(_cmdline(p)) for h in helpers)
-            and p.status() != psutil.STATUS_ZOMBIE]
+    return [
+        p
+        for p in procs
+        if not any(h in " ".join(_cmdline(p)) for h in helpers)
+        and p.status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

@@ -96,21 +96,23 @@ class _InitWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.init_process_group = init_process_group
 
 
+def write_error(kind: str, message: str, trace: str = "") -> None:
+    """This rank's failure, timestamped, for the launcher's root-cause verdict."""
+    if STATE_DIR:
+        record = {"time": time.time(), "type": kind, "message": message, "traceback": trace}
+        try:
+            state_file("error").write_text(json.dumps(record))
+        except OSError:
+            pass
+
+
 def record_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        if STATE_DIR and not issubclass(kind, KeyboardInterrupt):
-            record = {
-                "time": time.time(),
-                "type": kind.__name__,
-                "message": str(value),
-                "traceback": "".join(traceback.format_exception(kind, value, tb)),
-            }
-            try:
-                state_file("error").write_text(json.dumps(record))
-            except OSError:
-                pass
+        if not issubclass(kind, KeyboardInterrupt):
+            trace = "".join(traceback.format_exception(kind, value, tb))
+            write_error(kind.__name__, str(value), trace)
         previous(kind, value, tb)
 
     sys.excepthook = hook
@@ -144,6 +146,8 @@ def main(argv: list[str]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
     except SystemExit as done:
+        if done.code not in (None, 0):
+            write_error("SystemExit", f"sys.exit({done.code!r})")
         exit_quickly(done.code)
     except KeyboardInterrupt:
         raise
@@ -179,7 +183,8 @@ def exit_quickly(code: object) -> None:
         shutdown()
     atexit._run_exitfuncs()
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # type(), not isinstance(): never touch attributes of arbitrary objects
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()

@@ -16,6 +16,16 @@ from pathlib import Path
 from typing import Any
 
 
+# Errors a rank gets because a peer died: never the root cause while another rank failed.
+VICTIM_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
 def ranks_text(ranks: list[int]) -> str:
     return ",".join(str(r) for r in ranks)
 
@@ -73,11 +83,12 @@ class Outcome:
             except (OSError, ValueError):
                 pass
 
-        def failed_at(w: Any) -> float:
-            recorded = errors.get(w.rank, {}).get("time")
-            return float(recorded) if recorded else w.ended_wall
+        def order(w: Any) -> tuple[bool, float]:
+            error = errors.get(w.rank, {})
+            victim = any(word in error.get("message", "") for word in VICTIM_WORDS)
+            return victim, float(error.get("time") or w.ended_wall)
 
-        root = min(failed, key=failed_at)
+        root = min(failed, key=order)
         summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
         if root.rank in errors:
             summary += f" ({errors[root.rank]['type']}: {errors[root.rank]['message']})"

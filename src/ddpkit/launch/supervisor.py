@@ -312,7 +312,11 @@ def _stop_workers(workers: list[Worker], grace: float, signals: Signals, run_id:
         with contextlib.suppress(psutil.Error):
             p.terminate()
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and signals.count <= count_before:
+
+    def impatient() -> bool:  # a second Ctrl+C, or any during a teardown for another reason
+        return signals.count >= 2 or signals.count > count_before
+
+    while time.monotonic() < deadline and not impatient():
         if not any(w.proc.poll() is None for w in workers) and not any(
             procs.is_alive(p) for p in stragglers
         ):

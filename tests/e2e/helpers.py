@@ -1,0 +1,126 @@
+"""Start `ddpkit run` as a user would (its own session, real signals), read its output as it
+comes, and find any process of the job that survived."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ddpkit.procs import is_alive, processes_of_job
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@dataclass
+class Job:
+    proc: subprocess.Popen
+    run_id: str
+    log_dir: Path
+    out: list[str] = field(default_factory=list)
+    err: list[str] = field(default_factory=list)
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.out + self.err):
+                return
+            if self.proc.poll() is not None:
+                time.sleep(0.2)
+                if any(text in line for line in self.out + self.err):
+                    return
+                raise AssertionError(
+                    f"ddpkit run exited ({self.proc.returncode}) before "
+                    f"{text!r}:\n{self.stdout}\n{self.stderr}"
+                )
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} within {timeout} s:\n{self.stdout}\n{self.stderr}")
+
+    def finish(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(
+                f"ddpkit run still running after {timeout} s:\n{self.stdout}\n{self.stderr}"
+            ) from None
+        finally:
+            time.sleep(0.1)  # let the reader threads take the last lines
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def survivors(self, extra_pids: list[int] = ()) -> list[psutil.Process]:
+        left = [p for p in processes_of_job(self.run_id) if is_alive(p)]
+        for pid in extra_pids:
+            try:
+                p = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                continue
+            if is_alive(p) and p.pid not in {q.pid for q in left}:
+                left.append(p)
+        return left
+
+
+def _read(pipe, sink: list[str]) -> None:
+    for line in iter(pipe.readline, ""):
+        sink.append(line)
+    pipe.close()
+
+
+def start(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, command: str = "run"
+) -> Job:
+    run_id = "t" + uuid.uuid4().hex[:8]
+    log_dir = cwd / "logs"
+    extra = (
+        ["--run-id", run_id, "--log-dir", str(log_dir)]
+        if command == "run"
+        else ["--log-dir", str(log_dir)]
+    )
+    cmd = [sys.executable, "-m", "ddpkit", command, *extra, *args]
+    environment = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    job = Job(proc, run_id, log_dir)
+    for pipe, sink in ((proc.stdout, job.out), (proc.stderr, job.err)):
+        threading.Thread(target=_read, args=(pipe, sink), daemon=True).start()
+    return job
+
+
+def gone_within(job: Job, timeout: float, extra_pids: list[int] = ()) -> float:
+    """Seconds until the launcher and every process of its job are gone (fails past timeout)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if job.proc.poll() is not None and not job.survivors(extra_pids):
+            return time.monotonic() - started
+        time.sleep(0.05)
+    left = job.survivors(extra_pids)
+    for p in left:
+        p.kill()
+    if job.proc.poll() is None:
+        job.proc.kill()
+    raise AssertionError(
+        f"still alive after {timeout} s: launcher="
+        f"{job.proc.poll() is None}, {[(p.pid, p.name()) for p in left]}"
+    )

@@ -1,0 +1,131 @@
+"""ddpkit run's guarantees when things go wrong: each test ends with nothing left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.e2e.helpers import SCRIPTS, gone_within, start
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_failing_rank_stops_the_others_and_its_exit_code_is_returned(tmp_path):
+    job = start(["-n", "3", "--grace", "2", str(SCRIPTS / "crash.py")], tmp_path)
+    assert job.finish() == 3
+    assert "root cause: rank 1 exited with code 3" in job.stderr
+    assert "rank 1 is about to fail" in job.stderr.split("root cause")[1], "stderr tail missing"
+    assert not job.survivors()
+
+
+def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal(tmp_path):
+    job = start(["-n", "2", "--grace", "2", str(SCRIPTS / "killed.py")], tmp_path)
+    assert job.finish() == 128 + signal.SIGKILL
+    assert "root cause: rank 1 died of SIGKILL" in job.stderr
+    assert not job.survivors()
+
+
+def test_the_root_cause_is_the_rank_that_failed_first_not_its_victim(tmp_path):
+    job = start(["-n", "2", "--grace", "2", str(SCRIPTS / "raises.py")], tmp_path)
+    assert job.finish() == 1
+    assert (
+        "root cause: rank 1 exited with code 1 (ValueError: planted failure in rank 1)"
+        in job.stderr
+    )
+    report = (job.log_dir / job.run_id / "report.txt").read_text()
+    assert "planted failure in rank 1" in report
+    assert not job.survivors()
+
+
+@pytest.mark.parametrize("phase", ["before-init", "in-init", "training", "collective"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_in_any_phase_stops_everything_within_grace(tmp_path, phase, sig):
+    grace = 2
+    job = start(["-n", "2", "--grace", str(grace), str(SCRIPTS / "phases.py"), phase], tmp_path)
+    job.wait_for("ready")
+    time.sleep(0.3)
+    job.proc.send_signal(sig)
+    took = gone_within(job, grace + 10)
+    assert job.proc.returncode == 128 + sig
+    assert took < grace + 2, f"took {took:.1f} s"
+
+
+def test_a_second_ctrl_c_kills_at_once(tmp_path):
+    job = start(["-n", "2", "--grace", "60", str(SCRIPTS / "ignore_all.py")], tmp_path)
+    job.wait_for("ready")
+    job.wait_for("[rank 1] ready")
+    job.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    job.proc.send_signal(signal.SIGINT)
+    took = gone_within(job, 20)
+    assert took < 5, f"took {took:.1f} s with a 60 s grace"
+
+
+def test_a_sigkilled_launcher_leaves_no_worker_child_or_loader_process(tmp_path):
+    job = start(["-n", "2", "--grace", "30", str(SCRIPTS / "stubborn.py"), str(tmp_path)], tmp_path)
+    job.wait_for("[rank 0] ready")
+    job.wait_for("[rank 1] ready")
+    pids = [int(p) for r in (0, 1) for p in (tmp_path / f"pids-{r}").read_text().split()]
+    assert len(pids) >= 2 * 5, "expected rank, 2 children, 2 loader workers per rank"
+    os.kill(job.proc.pid, signal.SIGKILL)
+    took = gone_within(job, 15, extra_pids=pids)
+    assert took < 5, f"took {took:.1f} s"
+
+
+def test_a_rank_that_never_reaches_init_is_named(tmp_path):
+    job = start(
+        ["-n", "3", "--init-timeout", "3", "--grace", "1", str(SCRIPTS / "phases.py"), "in-init"],
+        tmp_path,
+    )
+    started = time.monotonic()
+    assert job.finish(60) == 1
+    assert "rank 1 never reached init_process_group" in job.stderr
+    assert "rank 0,2 waited" in job.stderr
+    assert time.monotonic() - started < 30
+    assert not job.survivors()
+
+
+def test_a_busy_master_port_names_the_port_and_its_holder(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        job = start(["-n", "2", "--master-port", str(port), str(SCRIPTS / "world.py")], tmp_path)
+        assert job.finish() == 1
+    finally:
+        holder.close()
+    assert f"port {port} on 127.0.0.1 is already in use by pid {os.getpid()}" in job.stderr
+    assert "fix:" in job.stderr
+    assert "Traceback" not in job.stderr
+    assert not (job.log_dir / job.run_id).exists(), "a run was started"
+
+
+def test_a_privileged_port_gets_a_warning_with_the_fix(tmp_path):
+    job = start(
+        ["-n", "1", "--master-port", "1010", str(SCRIPTS / "env_dump.py"), str(tmp_path)], tmp_path
+    )
+    job.finish()
+    assert "privileged port" in job.stderr and "above 1024" in job.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["missing.py"], "script 'missing.py' not found"),
+        (["-n", "0", "x.py"], "must be at least 1"),
+        (["--frobnicate", "x.py"], "unrecognized arguments: --frobnicate"),
+        (["-n", "gpu", "x.py"], "no GPU is visible"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_starts_nothing(tmp_path, args, says):
+    (tmp_path / "x.py").write_text("print('should not run')\n")
+    job = start(args, tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert job.finish() == 2
+    assert says in job.stderr
+    assert "should not run" not in job.stdout
+    assert not job.log_dir.exists()

@@ -1,0 +1,149 @@
+"""ddpkit run's options: checked before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ddpkit.cli.run import split_argv
+from ddpkit.errors import ConfigError
+from ddpkit.launch import config
+
+
+def parse(words: list[str], environ: dict[str, str] | None = None) -> config.LaunchConfig:
+    parser = argparse.ArgumentParser()
+    config.add_options(parser, environ or {})
+    parser.add_argument("-m", "--module")
+    parser.add_argument("--no-python", action="store_true")
+    own, target = split_argv(words)
+    args = parser.parse_args(own)
+    args.target = target
+    return config.from_args(args, environ or {})
+
+
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    return "train.py"
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(config, "visible_gpu_count", lambda env=None: n)
+
+    set_count(0)
+    return set_count
+
+
+def test_script_arguments_are_passed_untouched(script, gpus):
+    cfg = parse(["-n", "2", script, "--lr", "3", "-n", "9"])
+    assert (cfg.kind, cfg.target, cfg.args, cfg.nproc_per_node) == (
+        "script",
+        "train.py",
+        ("--lr", "3", "-n", "9"),
+        2,
+    )
+
+
+def test_module_and_its_arguments(gpus):
+    cfg = parse(["-m", "pkg.train", "--epochs", "1"])
+    assert (cfg.kind, cfg.target, cfg.args) == ("module", "pkg.train", ("--epochs", "1"))
+
+
+def test_split_argv_stops_at_the_script():
+    assert split_argv(["--grace=1", "-n", "2", "t.py", "--grace", "9"]) == (
+        ["--grace=1", "-n", "2"],
+        ["t.py", "--grace", "9"],
+    )
+    assert split_argv(["-mpkg", "x"]) == (["-mpkg"], ["x"])
+
+
+def test_auto_is_two_cpu_processes_on_gloo_without_gpus(script, gpus):
+    cfg = parse([script])
+    assert (cfg.nproc_per_node, cfg.backend) == (2, "gloo")
+
+
+def test_auto_is_one_process_per_gpu_with_nccl(script, gpus):
+    gpus(4)
+    assert (parse([script]).nproc_per_node, parse([script]).backend) == (4, "nccl")
+
+
+def test_more_processes_than_gpus_is_refused(script, gpus):
+    gpus(2)
+    with pytest.raises(ConfigError) as caught:
+        parse(["-n", "3", script])
+    assert "only 2 GPU(s)" in str(caught.value) and "-n cpu" in caught.value.fix
+
+
+def test_gpu_without_gpus_is_refused(script, gpus):
+    with pytest.raises(ConfigError, match="no GPU is visible"):
+        parse(["-n", "gpu", script])
+
+
+@pytest.mark.parametrize(
+    ("words", "says"),
+    [
+        (["-n", "0", "train.py"], "-n/--nproc-per-node '0' must be at least 1"),
+        (["-n", "many", "train.py"], "is not a number, gpu, cpu or auto"),
+        (["missing.py"], "script 'missing.py' not found"),
+        ([], "no script to run"),
+        (["--grace", "-1", "train.py"], "--grace '-1' must be at least 0"),
+        (["--master-port", "99999", "train.py"], "is not a TCP port"),
+        (["--nnodes", "2", "train.py"], "needs to know how the nodes meet"),
+        (["--rdzv", "nohost", "--nnodes", "2", "train.py"], "is not HOST:PORT"),
+        (["--ranks", "0,x", "train.py"], "is not a list of ranks"),
+        (["--nnodes", "2", "--rdzv", "h:1", "--max-restarts", "1", "train.py"], "not supported"),
+        (["--no-python", "no-such-program-xyz"], "not found on PATH"),
+    ],
+)
+def test_bad_input_is_a_config_error_with_a_fix(script, gpus, words, says):
+    with pytest.raises(ConfigError) as caught:
+        parse(words)
+    assert says in str(caught.value)
+    assert caught.value.fix
+
+
+def test_flags_come_from_environment_variables(script, gpus):
+    cfg = parse(
+        [script], {"DDPKIT_GRACE": "1.5", "DDPKIT_NPROC_PER_NODE": "3", "DDPKIT_RANKS": "0"}
+    )
+    assert (cfg.grace, cfg.nproc_per_node, cfg.ranks) == (1.5, 3, frozenset({0}))
+
+
+def test_command_line_wins_over_environment(script, gpus):
+    assert parse(["--grace", "2", script], {"DDPKIT_GRACE": "9"}).grace == 2
+
+
+def test_omp_threads_split_the_cores_unless_set(script, gpus):
+    assert parse(["-n", "1", script]).omp_threads >= 1
+    assert parse([script], {"OMP_NUM_THREADS": "4"}).omp_threads is None
+
+
+def test_srun_gives_nodes_rank_and_master_from_slurm(script, gpus):
+    slurm = {
+        "SLURM_PROCID": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu[3-4]",
+        "SLURM_JOB_ID": "77",
+    }
+    cfg = parse([script], slurm)
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "gpu3", 15077)
+
+
+def test_srun_with_several_tasks_per_node_is_refused(script, gpus):
+    slurm = {"SLURM_PROCID": "1", "SLURM_NNODES": "2", "SLURM_NTASKS": "8", "SLURM_NODEID": "0"}
+    with pytest.raises(ConfigError, match="exactly one task per node"):
+        parse([script], slurm)
+
+
+def test_privileged_port_gets_a_warning():
+    from ddpkit.launch.ports import warn_privileged
+
+    assert "privileged" in warn_privileged(1010)
+    assert warn_privileged(29500) is None
+    assert warn_privileged(0) is None
