@@ -110,7 +110,8 @@ def test_a_privileged_port_gets_a_warning_with_the_fix(tmp_path):
         ["-n", "1", "--master-port", "1010", str(SCRIPTS / "env_dump.py"), str(tmp_path)], tmp_path
     )
     job.finish()
-    assert "privileged port" in job.stderr and "above 1024" in job.stderr
+    assert "privileged port" in job.stderr
+    assert "above 1024" in job.stderr
 
 
 @pytest.mark.parametrize(

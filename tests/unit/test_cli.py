@@ -51,7 +51,8 @@ def test_no_command_prints_help_and_exits_2(capsys):
 def test_unknown_command_is_a_usage_error():
     out = ddpkit("frobnicate")
     assert out.returncode == 2
-    assert "error:" in out.stderr and "fix:" in out.stderr
+    assert "error:" in out.stderr
+    assert "fix:" in out.stderr
 
 
 def test_every_run_flag_has_an_environment_variable():

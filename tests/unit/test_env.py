@@ -80,7 +80,8 @@ def test_open_mpi_variables_are_read():
 
 def test_torchrun_variables_win_over_slurm_under_srun_torchrun():
     env = read_env({**fixture("slurm_srun_rank5_of_8"), **fixture("torchrun_rank1_of_4")})
-    assert env.launcher == "torchrun" and env.rank == 1
+    assert env.launcher == "torchrun"
+    assert env.rank == 1
 
 
 def test_hand_exported_single_node_job_needs_no_local_rank_or_master():

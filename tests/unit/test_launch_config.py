@@ -75,7 +75,8 @@ def test_more_processes_than_gpus_is_refused(script, gpus):
     gpus(2)
     with pytest.raises(ConfigError) as caught:
         parse(["-n", "3", script])
-    assert "only 2 GPU(s)" in str(caught.value) and "-n cpu" in caught.value.fix
+    assert "only 2 GPU(s)" in str(caught.value)
+    assert "-n cpu" in caught.value.fix
 
 
 def test_gpu_without_gpus_is_refused(script, gpus):

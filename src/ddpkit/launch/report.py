@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 # Errors a rank gets because a peer died: never the root cause while another rank failed.
 VICTIM_WORDS = (
     "Connection closed by peer",
