@@ -153,11 +153,16 @@ def _gpu_memory_by_pid() -> dict[int, int]:
     return used
 
 
-def processes_of_job(job: str) -> list[psutil.Process]:
-    """Processes whose environment names `job`, and every descendant of those."""
+def processes_of_job(job: str, launcher_pid: int | None = None) -> list[psutil.Process]:
+    """Processes whose environment names `job` (and, if given, the launcher that started
+    them: one node's share when several nodes of a job run on this machine), and every
+    descendant of those."""
     members: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter():
-        if proc.pid != os.getpid() and job_of(_environ(proc)) == job:
+        environ = _environ(proc) if proc.pid != os.getpid() else {}
+        if job_of(environ) != job:
+            continue
+        if launcher_pid is None or environ.get("DDPKIT_LAUNCHER_PID") == str(launcher_pid):
             members[proc.pid] = proc
     for proc in list(members.values()):
         try:

@@ -208,10 +208,12 @@ class Session:
 
     # -- lifetime ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Destroy the process group this session created (safe to call twice)."""
+    def close(self, failed: bool = False) -> None:
+        """Destroy the process group this session created (safe to call twice). After a
+        failure the peers are not expected at a barrier, so gloo is not drained."""
+        failed = failed or getattr(sys, "last_value", None) is not None  # uncaught error
         if self._owns_group and dist.is_initialized():
-            if self.backend == "gloo" and self.world_size > 1:
+            if self.backend == "gloo" and self.world_size > 1 and not failed:
                 _drain_gloo()
             dist.destroy_process_group()
         self._owns_group = False
@@ -219,8 +221,8 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(failed=kind is not None)
 
 
 def setup(
@@ -270,7 +272,7 @@ def setup(
     return Session(env, backend, device, seed_value, owns_group=True)
 
 
-def _drain_gloo(timeout: float = 30.0) -> None:
+def _drain_gloo(timeout: float = 10.0) -> None:
     """Let gloo's worker threads finish with their last collectives before the group goes.
 
     A finished gloo work is freed on gloo's own thread, which must take the GIL to release a

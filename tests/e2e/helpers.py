@@ -82,9 +82,13 @@ def _read(pipe, sink: list[str]) -> None:
 
 
 def start(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, command: str = "run"
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    command: str = "run",
+    run_id: str | None = None,
 ) -> Job:
-    run_id = "t" + uuid.uuid4().hex[:8]
+    run_id = run_id or "t" + uuid.uuid4().hex[:8]
     log_dir = cwd / "logs"
     extra = (
         ["--run-id", run_id, "--log-dir", str(log_dir)]

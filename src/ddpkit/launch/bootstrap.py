@@ -154,6 +154,7 @@ def main(argv: list[str]) -> None:
     except BaseException as err:
         # Report it as `python script.py` would: without this file's and runpy's frames.
         trimmed = _user_frames(err.__traceback__)
+        sys.last_type, sys.last_value, sys.last_traceback = type(err), err, trimmed
         sys.excepthook(type(err), err.with_traceback(trimmed), trimmed)
         exit_quickly(1)
     exit_quickly(0)

@@ -23,11 +23,13 @@ from ddpkit.launch.config import LaunchConfig
 
 PEER_TIMEOUT = 3.0
 BEAT_EVERY = 0.5
+EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
 
 
 @dataclass
 class NodeGroup:
-    """This node's place among the job's nodes."""
+    """This node's place among the job's nodes. Store calls go through one lock: the
+    heartbeat thread and the main thread share the connection."""
 
     group_rank: int = 0
     nnodes: int = 1
@@ -36,17 +38,25 @@ class NodeGroup:
     control: Any = None  # a torch Store shared by the launchers (None on one node)
     lost: str | None = None  # why another node is gone, set by the heartbeat thread
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def hosts_store(self) -> bool:
         return self.group_rank == 0
 
+    def _call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            return getattr(self.control, method)(*args)
+
     def publish(self, key: str, value: str) -> None:
         if self.control is not None:
-            self.control.set(f"ddpkit/{key}", value)
+            self._call("set", f"ddpkit/{key}", value)
 
     def fetch(self, key: str) -> str:
-        return str(self.control.get(f"ddpkit/{key}").decode())
+        return str(self._call("get", f"ddpkit/{key}").decode())
+
+    def has(self, key: str) -> bool:
+        return bool(self._call("check", [f"ddpkit/{key}"]))
 
     def start_heartbeat(self) -> None:
         if self.control is not None:
@@ -56,9 +66,24 @@ class NodeGroup:
         """Tell the other nodes this node failed (best effort)."""
         if self.control is not None:
             try:
-                self.control.set("ddpkit/abort", f"node {self.group_rank}: {reason}")
+                self.publish("abort", f"node {self.group_rank}: {reason}")
             except Exception:
                 pass
+
+    def finish(self, timeout: float = EXIT_BARRIER) -> None:
+        """After this node's workers succeeded: wait (bounded) until every node is done, so
+        the node that hosts the store does not take it away from the others."""
+        if self.control is None:
+            return
+        try:
+            self.publish(f"done/{self.group_rank}", "1")
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not self.lost:
+                if all(self.has(f"done/{n}") for n in range(self.nnodes)):
+                    return
+                time.sleep(0.2)
+        except Exception:
+            return
 
     def stop(self) -> None:
         self._stop.set()
@@ -67,15 +92,15 @@ class NodeGroup:
         seen: dict[int, tuple[int, float]] = {}
         while not self._stop.wait(BEAT_EVERY):
             try:
-                self.control.add(f"ddpkit/beat/{self.group_rank}", 1)
-                if self.control.check(["ddpkit/abort"]):
-                    self.lost = self.control.get("ddpkit/abort").decode()
+                self._call("add", f"ddpkit/beat/{self.group_rank}", 1)
+                if self.has("abort"):
+                    self.lost = self.fetch("abort")
                     return
                 now = time.monotonic()
                 for node in range(self.nnodes):
-                    if node == self.group_rank:
+                    if node == self.group_rank or self.has(f"done/{node}"):
                         continue
-                    count = self.control.add(f"ddpkit/beat/{node}", 0)
+                    count = self._call("add", f"ddpkit/beat/{node}", 0)
                     last = seen.get(node)
                     if last is None or count != last[0]:
                         seen[node] = (count, now)
@@ -83,7 +108,8 @@ class NodeGroup:
                         self.lost = f"node {node}'s launcher stopped answering"
                         return
             except Exception as err:
-                self.lost = f"lost contact with the job's store ({type(err).__name__})"
+                if not self._stop.is_set():
+                    self.lost = f"lost contact with the job's store ({type(err).__name__})"
                 return
 
 

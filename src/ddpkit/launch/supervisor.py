@@ -71,6 +71,9 @@ class Signals:
 def launch(cfg: LaunchConfig) -> int:
     """Run the job described by `cfg`; return the exit code for `ddpkit run`."""
     _become_subreaper()
+    if cfg.multi_node:
+        meet = cfg.rdzv or f"{cfg.master_addr}:{cfg.master_port + 1}"
+        _say(f"waiting up to {cfg.init_timeout:g} s for {cfg.nnodes} nodes to meet at {meet}")
     node = join(cfg)  # before our handlers: Ctrl+C while waiting for nodes just stops
     signals = Signals()
     previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -90,6 +93,7 @@ def launch(cfg: LaunchConfig) -> int:
             outcome = _run_attempt(cfg, node, run_dir, attempt, signals, watchdog)
             code = outcome.exit_code
             if outcome.ok:
+                node.finish()
                 break
             print(outcome.text, file=sys.stderr, flush=True)
             if signals.count or outcome.interrupted or attempt == cfg.max_restarts:
@@ -304,7 +308,7 @@ def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> 
 def _stop_workers(workers: list[Worker], grace: float, signals: Signals, run_id: str) -> None:
     """TERM every worker's group and every process of the run, wait up to `grace`, KILL."""
     count_before = signals.count
-    stragglers = [p for p in procs.processes_of_job(run_id) if p.pid != os.getpid()]
+    stragglers = procs.processes_of_job(run_id, os.getpid())
     for w in workers:
         _killpg(w.pgid, signal.SIGCONT)
         _killpg(w.pgid, signal.SIGTERM)
@@ -324,7 +328,7 @@ def _stop_workers(workers: list[Worker], grace: float, signals: Signals, run_id:
         time.sleep(POLL)
     for w in workers:
         _killpg(w.pgid, signal.SIGKILL)
-    left = [p for p in procs.processes_of_job(run_id) if p.pid != os.getpid()] + stragglers
+    left = procs.processes_of_job(run_id, os.getpid()) + stragglers
     for p in left:
         with contextlib.suppress(psutil.Error):
             p.kill()
@@ -356,7 +360,7 @@ def _reap_orphans(worker_pids: set[int]) -> None:
 
 def _start_watchdog(run_id: str, grace: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit.launch.watchdog", run_id, str(min(grace, 1.0))],
+        [sys.executable, "-m", "ddpkit.launch.watchdog", run_id, str(min(grace, 1.0)), str(os.getpid())],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         start_new_session=True,

@@ -1,6 +1,6 @@
 """A tiny process that outlives a SIGKILLed launcher just long enough to end its job.
 
-`python -m ddpkit.launch.watchdog RUN_ID GRACE`, started by the launcher in a session of its
+`python -m ddpkit.launch.watchdog RUN_ID GRACE LAUNCHER_PID`, started by the launcher in a session of its
 own with a pipe on stdin. The launcher writes `group PGID` for each worker and `done` when it
 has cleaned up itself. If stdin closes without `done`, the launcher died: every process group
 it named and every process whose environment carries the run id (data-loader workers,
@@ -13,7 +13,7 @@ import signal
 import sys
 
 
-def main(run_id: str, grace: float) -> int:
+def main(run_id: str, grace: float, launcher_pid: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the launcher's to handle
     groups: list[int] = []
     for line in sys.stdin:
@@ -24,9 +24,9 @@ def main(run_id: str, grace: float) -> int:
             return 0
     from ddpkit.procs import processes_of_job, terminate
 
-    terminate(processes_of_job(run_id), grace, groups=groups)
+    terminate(processes_of_job(run_id, launcher_pid), grace, groups=groups)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], float(sys.argv[2])))
+    sys.exit(main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3])))

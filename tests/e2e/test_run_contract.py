@@ -1,0 +1,233 @@
+"""What a script sees under ddpkit run, and what the user sees of it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import stat
+import time
+
+import pytest
+
+from tests.e2e.helpers import SCRIPTS, gone_within, start
+
+pytestmark = pytest.mark.timeout(120)
+
+TORCHRUN_VARIABLES = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+]
+
+
+def test_workers_get_every_variable_torchrun_sets(tmp_path):
+    job = start(
+        ["-n", "2", str(SCRIPTS / "env_dump.py"), str(tmp_path)],
+        tmp_path,
+        env={"OMP_NUM_THREADS": ""},
+    )
+    assert job.finish() == 0
+    envs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in (0, 1)]
+    for rank, env in enumerate(envs):
+        missing = [v for v in TORCHRUN_VARIABLES if v not in env]
+        assert not missing
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["TORCHELASTIC_RUN_ID"] == job.run_id
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+def test_omp_num_threads_is_set_when_unset_and_kept_when_set(tmp_path):
+    job = start(
+        ["-n", "2", str(SCRIPTS / "env_dump.py"), str(tmp_path)],
+        tmp_path,
+        env={"OMP_NUM_THREADS": "7"},
+    )
+    assert job.finish() == 0
+    assert json.loads((tmp_path / "env-0.json").read_text())["OMP_NUM_THREADS"] == "7"
+
+
+def test_cuda_visible_devices_is_passed_through(tmp_path):
+    job = start(
+        ["-n", "cpu", str(SCRIPTS / "env_dump.py"), str(tmp_path)],
+        tmp_path,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert job.finish() == 0
+    assert json.loads((tmp_path / "env-1.json").read_text())["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_output_is_prefixed_by_rank_and_logged_per_rank_in_a_private_folder(tmp_path):
+    job = start(["-n", "2", str(SCRIPTS / "env_dump.py"), str(tmp_path)], tmp_path)
+    assert job.finish() == 0
+    assert "[rank 0] hello from rank 0" in job.stdout
+    assert "[rank 1] to stderr from rank 1" in job.stderr
+    run_dir = job.log_dir / job.run_id
+    assert str(run_dir) in job.stderr, "the run folder is named at start"
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    log = (run_dir / "rank1.log").read_text()
+    assert "hello from rank 1" in log
+    assert "to stderr from rank 1" in log
+
+
+def test_ranks_filter_what_reaches_the_console_but_not_the_logs(tmp_path):
+    job = start(["-n", "2", "--ranks", "1", str(SCRIPTS / "env_dump.py"), str(tmp_path)], tmp_path)
+    assert job.finish() == 0
+    assert "[rank 1] hello" in job.stdout
+    assert "[rank 0]" not in job.stdout
+    assert "hello from rank 0" in (job.log_dir / job.run_id / "rank0.log").read_text()
+
+
+def test_a_module_runs_with_dash_m(tmp_path):
+    job = start(["-n", "2", "-m", "json.tool", "--help"], tmp_path)
+    assert job.finish() == 0
+    assert "[rank 1] usage:" in job.stdout
+
+
+def test_a_program_runs_with_no_python(tmp_path):
+    job = start(["-n", "2", "--no-python", "sh", "-c", "echo rank=$RANK"], tmp_path)
+    assert job.finish() == 0
+    assert "[rank 0] rank=0" in job.stdout
+    assert "[rank 1] rank=1" in job.stdout
+
+
+def test_a_plain_torch_script_forms_one_group(tmp_path):
+    job = start(["-n", "3", str(SCRIPTS / "world.py")], tmp_path)
+    assert job.finish() == 0
+    for rank in range(3):
+        assert f"rank {rank} of 3 sum 3" in job.stdout
+    assert not job.survivors()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_nodes(args: list[str], tmp_path) -> list:
+    run_id = "mn" + str(_free_port())  # every node of a job names the same run
+    for i in (0, 1):
+        (tmp_path / f"n{i}").mkdir()
+    return [start(args, tmp_path / f"n{i}", run_id=run_id) for i in (0, 1)]
+
+
+def test_two_launchers_on_one_machine_form_one_job_of_2x2_ranks(tmp_path):
+    rdzv = f"127.0.0.1:{_free_port()}"
+    args = ["--nnodes", "2", "--rdzv", rdzv, "-n", "2", str(SCRIPTS / "world.py")]
+    nodes = _start_nodes(args, tmp_path)
+    assert [n.finish() for n in nodes] == [0, 0]
+    out = nodes[0].stdout + nodes[1].stdout
+    for rank in range(4):
+        assert f"rank {rank} of 4 sum 4" in out
+    assert not any(n.survivors() for n in nodes)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_one_nodes_launcher_tears_down_the_other(tmp_path, sig):
+    rdzv = f"127.0.0.1:{_free_port()}"
+    grace = 2
+    args = [
+        "--nnodes",
+        "2",
+        "--rdzv",
+        rdzv,
+        "-n",
+        "2",
+        "--grace",
+        str(grace),
+        str(SCRIPTS / "world.py"),
+        "600",
+    ]
+    nodes = _start_nodes(args, tmp_path)
+    for node in nodes:
+        node.wait_for("of 4 sum 4")
+    victim, other = nodes
+    victim.proc.send_signal(sig)
+    took = gone_within(other, grace + 15)
+    gone_within(victim, 10)
+    assert other.proc.returncode != 0
+    assert took < grace + 6, f"took {took:.1f} s"
+
+
+def test_srun_style_static_nodes_form_one_job(tmp_path):
+    port = _free_port()
+    nodes = []
+    for node in (0, 1):
+        slurm = {
+            "SLURM_PROCID": str(node),
+            "SLURM_NODEID": str(node),
+            "SLURM_NNODES": "2",
+            "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "SLURM_JOB_ID": "4242",
+            "DDPKIT_MASTER_PORT": str(port),
+        }
+        (tmp_path / f"n{node}").mkdir()
+        nodes.append(
+            start(["-n", "1", str(SCRIPTS / "world.py")], tmp_path / f"n{node}", env=slurm)
+        )
+    assert [n.finish() for n in nodes] == [0, 0]
+    assert "rank 1 of 2 sum 2" in nodes[1].stdout
+    assert "(node 1 of 2)" in nodes[1].stderr
+
+
+def test_max_restarts_restarts_the_group_and_the_example_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    job = start(
+        [
+            "-n",
+            "2",
+            "--max-restarts",
+            "1",
+            "--grace",
+            "1",
+            "-m",
+            "ddpkit.examples.digits",
+            "--epochs",
+            "3",
+            "--checkpoint",
+            str(ckpt),
+            "--fail-at-epoch",
+            "1",
+        ],
+        tmp_path,
+    )
+    assert job.finish(120) == 0
+    assert "planted failure at epoch 1" in job.stderr
+    assert "restarting the whole group (1 of 1)" in job.stderr
+    assert "resumed from" in job.stdout and "at epoch 1" in job.stdout
+    assert "held-out accuracy" in job.stdout
+    assert not job.survivors()
+
+
+def test_without_restarts_the_same_failure_ends_the_job(tmp_path):
+    job = start(
+        [
+            "-n",
+            "2",
+            "--grace",
+            "1",
+            "-m",
+            "ddpkit.examples.digits",
+            "--epochs",
+            "3",
+            "--fail-at-epoch",
+            "0",
+        ],
+        tmp_path,
+    )
+    started = time.monotonic()
+    assert job.finish(120) == 1
+    assert "root cause: rank 1" in job.stderr
+    assert time.monotonic() - started < 60
