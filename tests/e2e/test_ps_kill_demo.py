@@ -1,0 +1,102 @@
+"""ddpkit ps, ddpkit kill and ddpkit demo, on real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.helpers import SCRIPTS, gone_within, start
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def ddpkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_ps_lists_the_launcher_and_every_rank_of_a_running_job(tmp_path):
+    job = start(["-n", "2", str(SCRIPTS / "phases.py"), "before-init"], tmp_path)
+    try:
+        job.wait_for("[rank 1] ready")
+        rows = json.loads(ddpkit("ps", "--json").stdout)
+        mine = [r for r in rows if r["job"] == job.run_id]
+        roles = sorted((r["role"], r["rank"]) for r in mine)
+        assert roles == [("launcher", ""), ("worker", "0"), ("worker", "1")]
+        assert not any(r["orphan"] for r in mine)
+        table = ddpkit("ps").stdout
+        assert job.run_id in table and "RANK" in table
+    finally:
+        job.proc.terminate()
+        gone_within(job, 15)
+
+
+def test_ps_flags_a_hand_started_rank_whose_parent_is_gone_as_an_orphan(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}
+    # a parent that starts the "rank" and exits at once, as a killed launcher would
+    parent = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(120)'], start_new_session=True, "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    orphan = int(parent.stdout)
+    try:
+        rows = json.loads(ddpkit("ps", "--json").stdout)
+        row = next(r for r in rows if r["pid"] == orphan)
+        assert row["orphan"]
+        assert row["job"] == "env:1"
+        assert "ORPHAN" in ddpkit("ps").stdout
+        out = ddpkit("kill", str(orphan), "--grace", "1")
+        assert out.returncode == 0
+        assert str(orphan) in out.stdout
+        assert (
+            not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+        )
+    finally:
+        if psutil.pid_exists(orphan):
+            psutil.Process(orphan).kill()
+
+
+def test_kill_ends_a_whole_job_tree_even_processes_that_ignore_sigterm(tmp_path):
+    job = start(["-n", "2", "--grace", "60", str(SCRIPTS / "stubborn.py"), str(tmp_path)], tmp_path)
+    job.wait_for("[rank 0] ready")
+    job.wait_for("[rank 1] ready")
+    pids = [int(p) for r in (0, 1) for p in (tmp_path / f"pids-{r}").read_text().split()]
+    started = time.monotonic()
+    out = ddpkit("kill", job.run_id, "--grace", "1")
+    assert out.returncode == 0, out.stderr
+    assert "ended" in out.stdout
+    gone_within(job, 15, extra_pids=pids)
+    assert time.monotonic() - started < 30
+
+
+def test_kill_of_an_unknown_job_is_a_clear_error():
+    out = ddpkit("kill", "no-such-job")
+    assert out.returncode == 2
+    assert "no job 'no-such-job'" in out.stderr
+
+
+def test_demo_trains_on_bundled_data_and_reports_accuracy_and_a_summary(tmp_path):
+    job = start(["--epochs", "3"], tmp_path, command="demo", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert job.finish(150) == 0, job.stderr
+    assert "digits: 1437 train / 360 held-out images, 2 rank(s), backend gloo" in job.stdout
+    assert "epoch 2: train loss" in job.stdout
+    accuracy = float(job.stdout.split("held-out accuracy: ")[1].split()[0])
+    assert accuracy > 0.85
+    assert "summary: 2 rank(s), backend gloo" in job.stdout
+    assert "samples/s" in job.stdout
