@@ -32,7 +32,8 @@ def test_ps_lists_the_launcher_and_every_rank_of_a_running_job(tmp_path):
         assert roles == [("launcher", ""), ("worker", "0"), ("worker", "1")]
         assert not any(r["orphan"] for r in mine)
         table = ddpkit("ps").stdout
-        assert job.run_id in table and "RANK" in table
+        assert job.run_id in table
+        assert "RANK" in table
     finally:
         job.proc.terminate()
         gone_within(job, 15)

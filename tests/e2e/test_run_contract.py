@@ -206,7 +206,8 @@ def test_max_restarts_restarts_the_group_and_the_example_resumes(tmp_path):
     assert job.finish(120) == 0
     assert "planted failure at epoch 1" in job.stderr
     assert "restarting the whole group (1 of 1)" in job.stderr
-    assert "resumed from" in job.stdout and "at epoch 1" in job.stdout
+    assert "resumed from" in job.stdout
+    assert "at epoch 1" in job.stdout
     assert "held-out accuracy" in job.stdout
     assert not job.survivors()
 

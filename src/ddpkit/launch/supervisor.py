@@ -360,7 +360,14 @@ def _reap_orphans(worker_pids: set[int]) -> None:
 
 def _start_watchdog(run_id: str, grace: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit.launch.watchdog", run_id, str(min(grace, 1.0)), str(os.getpid())],
+        [
+            sys.executable,
+            "-m",
+            "ddpkit.launch.watchdog",
+            run_id,
+            str(min(grace, 1.0)),
+            str(os.getpid()),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         start_new_session=True,

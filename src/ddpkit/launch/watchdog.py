@@ -1,10 +1,11 @@
 """A tiny process that outlives a SIGKILLed launcher just long enough to end its job.
 
-`python -m ddpkit.launch.watchdog RUN_ID GRACE LAUNCHER_PID`, started by the launcher in a session of its
-own with a pipe on stdin. The launcher writes `group PGID` for each worker and `done` when it
-has cleaned up itself. If stdin closes without `done`, the launcher died: every process group
-it named and every process whose environment carries the run id (data-loader workers,
-subprocesses, even those that left the group or ignore SIGTERM) is terminated, then killed.
+`python -m ddpkit.launch.watchdog RUN_ID GRACE LAUNCHER_PID`, started by the launcher in a
+session of its own with a pipe on stdin. The launcher writes `group PGID` for each worker and
+`done` when it has cleaned up itself. If stdin closes without `done`, the launcher died: every
+process group it named and every process whose environment carries the run id and the
+launcher's pid (data-loader workers, subprocesses, even those that left the group or ignore
+SIGTERM) is terminated, then killed.
 """
 
 from __future__ import annotations
