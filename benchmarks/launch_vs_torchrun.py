@@ -63,7 +63,9 @@ def job_processes(token: str) -> list[psutil.Process]:
 
 def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     token = uuid.uuid4().hex
-    env = {**os.environ, "BENCH_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+    # CPU ranks for both launchers, also on a GPU machine (the scripts use gloo)
+    env = {**os.environ, "BENCH_TOKEN": token, "PYTHONUNBUFFERED": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             text=True, start_new_session=True)
     return proc, token

@@ -39,7 +39,16 @@ class EpochLoader(DataLoader):
         if set_epoch is not None:
             set_epoch(self.epoch)
         self.epoch += 1
-        return super().__iter__()
+        return _beating(super().__iter__())
+
+
+def _beating(batches: Iterator[Any]) -> Iterator[Any]:
+    """Each batch tells the launcher's hang doctor that this rank is making progress."""
+    from ddpkit.launch.progress import beat
+
+    for batch in batches:
+        beat()
+        yield batch
 
 
 def make_loader(

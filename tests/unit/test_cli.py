@@ -92,6 +92,9 @@ def test_run_flags_are_pinned():
             "--run_id",
             "--module",
             "--no-python",
+            "--hang-timeout",
+            "--hang_timeout",
+            "--check-collectives",
         ]
     )
 

@@ -14,6 +14,7 @@ from ddpkit.launch import config
 def parse(words: list[str], environ: dict[str, str] | None = None) -> config.LaunchConfig:
     parser = argparse.ArgumentParser()
     config.add_options(parser, environ or {})
+    config.add_switches(parser, environ or {})
     parser.add_argument("-m", "--module")
     parser.add_argument("--no-python", action="store_true")
     own, target = split_argv(words)
@@ -148,3 +149,11 @@ def test_privileged_port_gets_a_warning():
     assert "privileged" in warn_privileged(1010)
     assert warn_privileged(29500) is None
     assert warn_privileged(0) is None
+
+
+def test_hang_doctor_options(script, gpus):
+    assert parse([script]).hang_timeout == 300
+    assert parse(["--hang-timeout", "0", script]).hang_timeout == 0
+    assert parse(["--check-collectives", script]).check_collectives
+    assert parse([script], {"DDPKIT_CHECK_COLLECTIVES": "1"}).check_collectives
+    assert not parse([script], {"DDPKIT_CHECK_COLLECTIVES": "0"}).check_collectives

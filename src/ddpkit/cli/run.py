@@ -19,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
     )
     config.add_options(p, os.environ)
+    config.add_switches(p, os.environ)
     p.add_argument("-m", "--module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument(
         "--no-python", action="store_true", help="run the target as a program, not with python"
@@ -26,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run, target=[])
 
 
-FLAGS_WITHOUT_VALUE = {"--no-python", "-h", "--help"}
+FLAGS_WITHOUT_VALUE = {"--no-python", "-h", "--help", *(f"--{s}" for s in config.SWITCHES)}
 
 
 def split_argv(words: list[str]) -> tuple[list[str], list[str]]:

@@ -91,9 +91,120 @@ class _InitWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             set_phase("init")
             result = original(*args, **kwargs)
             set_phase("ready")
+            if STATE_DIR and module.get_backend() == "nccl":
+                from ddpkit.launch import flight
+
+                flight.serve(STATE_DIR, RANK)
             return result
 
         module.init_process_group = init_process_group
+        track_collectives(module)
+
+
+# The collectives whose calls are recorded (the outermost call only: all_gather_object's own
+# all_gather is part of it).
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "monitored_barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "all_reduce_coalesced",
+    "batch_isend_irecv",
+)
+_depth = 0
+
+
+def track_collectives(module: ModuleType) -> None:
+    """Record each collective's start and end in this rank's progress record."""
+    from ddpkit.launch import progress
+
+    record = progress.writer()
+    if record is None:
+        return
+
+    def wrap(name: str, original: Any) -> Any:
+        @functools.wraps(original)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            global _depth
+            if _depth:
+                return original(*args, **kwargs)
+            site, shapes = user_site(), describe_shapes(args)
+            _depth += 1
+            record.enter(name, shapes, site)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _depth -= 1
+                record.leave(name, shapes, site)
+
+        return collective
+
+    for name in COLLECTIVES:
+        original = getattr(module, name, None)
+        if callable(original):
+            setattr(module, name, wrap(name, original))
+
+
+_SKIP = (os.sep + "torch" + os.sep, os.sep + "ddpkit" + os.sep, "<frozen", "runpy")
+_EXAMPLES = os.sep + "ddpkit" + os.sep + "examples" + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")})
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def is_library(filename: str) -> bool:
+    """Frames of torch, ddpkit itself (not its examples), the standard library and the
+    interpreter's machinery: what a user does not need to read in a stack."""
+    if _EXAMPLES in filename:
+        return False
+    return any(part in filename for part in _SKIP) or (
+        os.path.realpath(filename).startswith(_LIBRARY_DIRS) and "site-packages" not in filename
+    )
+
+
+def user_site() -> str:
+    """file:line (function) of the innermost caller outside torch and ddpkit."""
+    frame = sys._getframe(2)
+    while frame is not None and is_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def describe_shapes(args: tuple[Any, ...]) -> str:
+    shapes = []
+    for arg in args[:2]:
+        items = arg if isinstance(arg, list | tuple) else [arg]
+        for item in items[:2]:
+            shape = getattr(item, "shape", None)
+            if shape is not None:
+                shapes.append(str(list(shape)))
+    return " ".join(shapes)
 
 
 def write_error(kind: str, message: str, trace: str = "") -> None:
@@ -128,6 +239,7 @@ def dump_stacks_on_signal() -> None:
 def main(argv: list[str]) -> None:
     kind, target, *args = argv
     tie_to_launcher()
+    os.environ["DDPKIT_RANK_PID"] = str(os.getpid())  # children inherit it: "not the rank"
     set_phase("started")
     if kind == "command":
         os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec

@@ -39,6 +39,16 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "log-dir": (None, "folder for this run's logs (default: a new 0700 folder in /tmp)"),
     "ranks": (None, "only these ranks' output on the console, e.g. 0 or 0,2 (logs get all)"),
     "run-id": (None, "job id (default: random); shown by `ddpkit ps`"),
+    "hang-timeout": (
+        "300",
+        "seconds without progress on every rank before the job is called "
+        "hung, its stacks shown and it is stopped; 0 turns this off",
+    ),
+}
+# flag -> help; DDPKIT_<FLAG>=1 turns it on
+SWITCHES: dict[str, str] = {
+    "check-collectives": "check that every rank calls the same collective with the same "
+    "shapes, and name the first divergence (TORCH_DISTRIBUTED_DEBUG=DETAIL; slower)",
 }
 
 
@@ -63,6 +73,8 @@ class LaunchConfig:
     omp_threads: int | None = None
     run_id_given: bool = False
     master_addr_given: bool = False
+    hang_timeout: float = 300.0
+    check_collectives: bool = False
 
     @property
     def multi_node(self) -> bool:
@@ -84,6 +96,13 @@ def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> 
             default=environ.get(var, default),
             help=f"{text} [${var}]",
         )
+
+
+def add_switches(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    for flag, text in SWITCHES.items():
+        var = "DDPKIT_" + flag.upper().replace("-", "_")
+        on = environ.get(var, "") not in ("", "0")
+        parser.add_argument(f"--{flag}", action="store_true", default=on, help=f"{text} [${var}=1]")
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -124,6 +143,8 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         omp_threads=None if "OMP_NUM_THREADS" in env else _omp_threads(nproc),
         run_id_given=bool(args.run_id),
         master_addr_given=bool(args.master_addr),
+        hang_timeout=_number(args.hang_timeout, "--hang-timeout", float, minimum=0),
+        check_collectives=bool(getattr(args, "check_collectives", False)),
     )
 
 

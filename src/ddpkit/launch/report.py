@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ class Outcome:
     root_rank: int | None = None
     text: str = ""
     failed: list[Any] = field(default_factory=list)
+    details: str = ""
     error_times: dict[int, float] = field(default_factory=dict)
 
     @classmethod
@@ -68,6 +68,12 @@ class Outcome:
             interrupted=True,
             summary=f"stopped by {name}: every rank was stopped",
         )
+
+    @classmethod
+    def hang(cls, summary: str, details: str) -> Outcome:
+        from ddpkit.launch.hang import HANG_EXIT_CODE
+
+        return cls(ok=False, exit_code=HANG_EXIT_CODE, summary=summary, details=details)
 
     @classmethod
     def launcher_failure(cls, summary: str) -> Outcome:
@@ -90,7 +96,9 @@ class Outcome:
         root = min(failed, key=order)
         summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
         if root.rank in errors:
-            summary += f" ({errors[root.rank]['type']}: {errors[root.rank]['message']})"
+            message = errors[root.rank]["message"]
+            message = message if len(message) <= 160 else message[:157] + "..."
+            summary += f" ({errors[root.rank]['type']}: {message})"
         return cls(
             ok=False,
             exit_code=exit_code_of(root.exit_code),
@@ -99,11 +107,17 @@ class Outcome:
             failed=failed,
         )
 
-    def finalize(self, workers: list[Any], run_dir: Path) -> None:
+    def finalize(self, workers: list[Any], run_dir: Path, state_dir: Path) -> None:
         """Write the report (console text and run_dir/report.txt) once outputs are closed."""
         if self.ok:
             return
-        lines = ["", "ddpkit: the job failed", f"  root cause: {self.summary}"]
+        mismatch = collective_mismatch(workers, state_dir)
+        if mismatch:
+            self.summary = f"{mismatch} (first reported: {self.summary})"
+        title = "the job hung" if self.details else "the job failed"
+        lines = ["", f"ddpkit: {title}", f"  root cause: {self.summary}"]
+        if self.details:
+            lines.append(self.details)
         root = next((w for w in workers if w.rank == self.root_rank), None)
         if root is not None:
             tail = list(root.output.stderr_tail)[-15:]
@@ -125,5 +139,27 @@ class Outcome:
         (run_dir / "report.txt").write_text(self.text.lstrip("\n") + "\n")
 
 
-def wall_now() -> float:
-    return time.time()
+MISMATCH_WORDS = (
+    "mismatch between collectives",
+    "collective mismatch",
+    "Received data size doesn't match",
+)
+
+
+def collective_mismatch(workers: list[Any], state_dir: Path) -> str | None:
+    """When torch or gloo says collectives differ, which rank called what, from where (from
+    each rank's progress record), instead of a wall of fingerprints."""
+    from ddpkit.launch import progress
+
+    said = [line for w in workers for line in w.output.stderr_tail]
+    if not any(word in line for line in said for word in MISMATCH_WORDS):
+        return None
+    calls = []
+    for w in workers:
+        record = progress.read(progress.path_for(state_dir, w.rank))
+        if record is not None and record.op:
+            shapes = f" with shape {record.shapes}" if record.shapes else ""
+            calls.append(f"rank {w.rank} called {record.op}{shapes} ({record.site})")
+    if not calls:
+        return "the ranks called different collectives"
+    return "collectives differ across ranks: " + "; ".join(calls)

@@ -28,7 +28,7 @@ import psutil
 import ddpkit
 from ddpkit import procs
 from ddpkit.errors import LaunchError
-from ddpkit.launch import report
+from ddpkit.launch import hang, report
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.nodes import NodeGroup, bind_host, join
 from ddpkit.launch.output import RankOutput
@@ -145,7 +145,7 @@ def _run_attempt(
             sock.close()
         del store
         _reap_orphans({w.proc.pid for w in workers})
-    outcome.finalize(workers, run_dir)
+    outcome.finalize(workers, run_dir, state_dir)
     return outcome
 
 
@@ -187,6 +187,12 @@ def worker_env(
         }
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # NCCL's flight recorder: the hang doctor's record of collectives in flight
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+        env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
+    if cfg.check_collectives:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if cfg.omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
     if cfg.backend == "gloo":
@@ -247,6 +253,7 @@ def _supervise(
     cfg: LaunchConfig, node: NodeGroup, workers: list[Worker], state_dir: Path, signals: Signals
 ) -> report.Outcome:
     next_init_check = 0.0
+    watch = hang.HangWatch(workers, state_dir, cfg.hang_timeout)
     while True:
         now = time.monotonic()
         for w in workers:
@@ -269,6 +276,9 @@ def _supervise(
             return report.Outcome.success()
         if node.lost:
             return report.Outcome.launcher_failure(f"another node failed: {node.lost}")
+        if watch.hung(now):
+            line, details = hang.describe(workers, state_dir, watch.stalled_for(now))
+            return report.Outcome.hang(line, details)
         if now >= next_init_check:
             next_init_check = now + 0.5
             missing = _missing_at_init(workers, state_dir, cfg.init_timeout)

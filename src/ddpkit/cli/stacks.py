@@ -1,0 +1,64 @@
+"""`ddpkit stacks [JOB]`: every rank's Python stack of a running job, with a verdict, without
+stopping it."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "stacks", help="show where every rank of a running job is", description=__doc__
+    )
+    p.add_argument("job", nargs="?", help="job id from `ddpkit ps` (default: the only job)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import psutil
+
+    from ddpkit.errors import ConfigError
+    from ddpkit.launch import hang
+    from ddpkit.procs import list_training_processes
+
+    workers = [p for p in list_training_processes() if p.role == "worker"]
+    jobs = sorted({p.job for p in workers})
+    job = args.job or (jobs[0] if len(jobs) == 1 else None)
+    if job is None:
+        raise ConfigError(
+            "no running training job"
+            if not jobs
+            else f"{len(jobs)} jobs are running: {', '.join(jobs)}",
+            fix="name one: `ddpkit stacks JOB` (see `ddpkit ps`)",
+        )
+    mine = [p for p in workers if p.job == job]
+    if not mine:
+        raise ConfigError(f"no job {job!r} on this machine", fix="see `ddpkit ps` for jobs")
+    by_dir: dict[str, list[SimpleNamespace]] = {}
+    for p in mine:
+        state_dir = psutil.Process(p.pid).environ().get("DDPKIT_STATE_DIR")
+        if state_dir is None:
+            print(f"rank {p.rank} (pid {p.pid}) was not started by ddpkit run: " + _py_spy(p.pid))
+            continue
+        by_dir.setdefault(state_dir, []).append(
+            SimpleNamespace(rank=int(p.rank), proc=SimpleNamespace(pid=p.pid), exit_code=None)
+        )
+    for state_dir, ranks in by_dir.items():
+        line, details = hang.describe(sorted(ranks, key=lambda r: r.rank), Path(state_dir), stall=0)
+        print(line.split(": ", 1)[1])
+        print(details)
+        print(f"full dumps: {state_dir}/rank*.stacks")
+    return 0
+
+
+def _py_spy(pid: int) -> str:
+    if shutil.which("py-spy") is None:
+        return "install py-spy to see its stack (`pip install py-spy`)"
+    out = subprocess.run(
+        ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+    )
+    return "\n" + (out.stdout or out.stderr)

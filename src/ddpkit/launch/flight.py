@@ -1,0 +1,96 @@
+"""NCCL flight recorder, on demand: the last collectives each rank issued, with their state.
+
+PyTorch keeps a ring buffer of recent collectives per NCCL process group when
+TORCH_NCCL_TRACE_BUFFER_SIZE > 0 (ddpkit run sets 2000 unless set). The rank side
+(`serve`, a daemon thread started once the rank's NCCL group exists) writes a dump when the
+launcher drops a request file; the launcher side (`request`) asks every rank and reads what
+came back. Torch builds without the recorder, or a rank whose Python cannot run, give none,
+and the verdict goes on from stacks alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _paths(state_dir: Path, rank: int | str) -> tuple[Path, Path]:
+    return state_dir / f"rank{rank}.fr-request", state_dir / f"rank{rank}.fr"
+
+
+def ready_file(state_dir: Path, rank: int | str) -> Path:
+    """Exists once the rank answers dump requests (it has an NCCL group)."""
+    return state_dir / f"rank{rank}.fr-ready"
+
+
+def serve(state_dir: str, rank: str) -> None:
+    """Rank side: answer dump requests from a daemon thread."""
+
+    request, out = _paths(Path(state_dir), rank)
+    ready_file(Path(state_dir), rank).touch()
+
+    def loop() -> None:
+        while True:
+            time.sleep(0.5)
+            if not request.exists():
+                continue
+            with contextlib.suppress(Exception):
+                request.unlink()
+                out.write_bytes(dump())
+
+    threading.Thread(target=loop, daemon=True, name="ddpkit-flight-recorder").start()
+
+
+def dump() -> bytes:
+    from torch._C import _distributed_c10d as c10d
+
+    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+        fn = getattr(c10d, name, None)
+        if fn is not None:
+            return bytes(fn())
+    raise RuntimeError("this torch has no flight recorder dump")
+
+
+def request(ranks: list[int], state_dir: Path, wait: float = 3.0) -> dict[int, Any]:
+    """Launcher side: rank -> the unpickled dump, for the ranks that answered in time."""
+    for rank in ranks:
+        request_file, out = _paths(state_dir, rank)
+        out.unlink(missing_ok=True)
+        request_file.touch()
+    dumps: dict[int, Any] = {}
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and len(dumps) < len(ranks):
+        time.sleep(0.1)
+        for rank in ranks:
+            out = _paths(state_dir, rank)[1]
+            if rank not in dumps and out.exists():
+                with contextlib.suppress(Exception):
+                    dumps[rank] = pickle.loads(out.read_bytes())  # noqa: S301 - our own ranks
+    return dumps
+
+
+def summarize(dump: Any, last: int = 3) -> list[str]:
+    """A few lines from one rank's dump: its last collectives, newest last."""
+    entries = dump.get("entries", []) if isinstance(dump, dict) else []
+    lines = []
+    for e in entries[-last:]:
+        op = str(e.get("profiling_name", "?")).replace("nccl:", "")
+        lines.append(
+            f"#{e.get('collective_seq_id', '?')} {op} {e.get('state', '?')} "
+            f"in={e.get('input_sizes', '?')}"
+        )
+    return lines
+
+
+def pending(dump: Any) -> str | None:
+    """The oldest collective this rank issued that has not completed, if any."""
+    entries = dump.get("entries", []) if isinstance(dump, dict) else []
+    for e in entries:
+        if e.get("state") != "completed":
+            op = str(e.get("profiling_name", "?")).replace("nccl:", "")
+            return f"{op} #{e.get('collective_seq_id', '?')} ({e.get('state')})"
+    return None

@@ -1,0 +1,231 @@
+"""The hang doctor: tell a stalled job from a busy one, then say which rank is where.
+
+The rule (docs/hang-doctor.md): a rank makes progress in a sampling interval when it finished
+a collective, when ddpkit's helpers beat (a loader batch, a reduce), or when, outside any
+collective, its process tree used at least BUSY_SHARE of a core (computing on the CPU, or
+feeding and waiting on a GPU, which spins a core). The job is hung when no rank has made
+progress for the hang timeout. A rank that computes for an hour is not hung; a rank that
+sleeps, waits in a collective, or waits on a stuck DataLoader worker is.
+
+Stacks come from inside each rank: the bootstrap registered faulthandler on SIGUSR1, which
+writes every thread's stack to the rank's stack file even while the rank is blocked in C code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ddpkit.launch import flight, progress
+from ddpkit.launch.bootstrap import COLLECTIVES, is_library
+
+BUSY_SHARE = 0.10
+SAMPLE_EVERY = 1.0
+HANG_EXIT_CODE = 124  # as GNU timeout's
+
+
+@dataclass
+class RankState:
+    cpu: float = -1.0
+    record: progress.Record | None = None
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class HangWatch:
+    """Samples every rank once a second; `hung()` says when no rank progressed for `timeout`."""
+
+    def __init__(self, workers: list[Any], state_dir: Path, timeout: float) -> None:
+        self.workers = workers
+        self.state_dir = state_dir
+        self.timeout = timeout
+        self.ranks = {w.rank: RankState() for w in workers}
+        self.next_sample = 0.0
+
+    def hung(self, now: float) -> bool:
+        if self.timeout <= 0 or now < self.next_sample:
+            return False
+        interval = now - (self.next_sample - SAMPLE_EVERY) if self.next_sample else SAMPLE_EVERY
+        self.next_sample = now + SAMPLE_EVERY
+        for w in self.workers:
+            state = self.ranks[w.rank]
+            record = progress.read(progress.path_for(self.state_dir, w.rank))
+            cpu = tree_cpu_seconds(w.proc.pid) if w.exit_code is None else state.cpu
+            previous = state.record
+            advanced = record is not None and (
+                previous is None
+                or record.finished != previous.finished
+                or record.beats != previous.beats
+            )
+            inside = record is not None and record.in_collective
+            busy = state.cpu >= 0 and not inside and cpu - state.cpu >= BUSY_SHARE * interval
+            if advanced or busy:
+                state.last_progress = now
+            state.cpu, state.record = cpu, record
+        return all(now - s.last_progress >= self.timeout for s in self.ranks.values())
+
+    def stalled_for(self, now: float) -> float:
+        return min(now - s.last_progress for s in self.ranks.values())
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by a process and all its descendants."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+    except psutil.Error:
+        pass
+    return total
+
+
+# -- stacks ------------------------------------------------------------------------------
+
+
+def dump_stacks(pids: dict[int, int], state_dir: Path, wait: float = 3.0) -> dict[int, str]:
+    """Ask each rank (rank -> pid) for its stacks; return rank -> the text it wrote."""
+    sizes = {}
+    for rank, pid in pids.items():
+        path = state_dir / f"rank{rank}.stacks"
+        sizes[rank] = path.stat().st_size if path.exists() else 0
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGUSR1)
+    texts: dict[int, str] = {}
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and len(texts) < len(pids):
+        time.sleep(0.1)
+        for rank in pids:
+            path = state_dir / f"rank{rank}.stacks"
+            if rank not in texts and path.exists() and path.stat().st_size > sizes[rank]:
+                time.sleep(0.1)  # let faulthandler finish writing
+                with path.open() as f:
+                    f.seek(sizes[rank])
+                    texts[rank] = f.read()
+    return texts
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    @property
+    def site(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.site} in {self.func}"
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
+_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$', re.M)
+
+
+def parse_threads(text: str) -> list[list[Frame]]:
+    """faulthandler's dump -> one list of frames (innermost first) per thread."""
+    starts = [m.start() for m in _THREAD.finditer(text)] + [len(text)]
+    threads = []
+    for begin, end in zip(starts, starts[1:], strict=False):
+        frames = [Frame(f, int(n), fn.strip()) for f, n, fn in _FRAME.findall(text[begin:end])]
+        if frames:
+            threads.append(frames)
+    return threads
+
+
+def main_thread(threads: list[list[Frame]]) -> list[Frame]:
+    """The thread running the user's script: its outermost frames are the bootstrap's."""
+    for frames in threads:
+        if any(f.file.endswith(os.path.join("launch", "bootstrap.py")) for f in frames[-4:]):
+            return frames
+    return threads[0] if threads else []
+
+
+def user_frames(frames: list[Frame]) -> list[Frame]:
+    return [f for f in frames if not is_library(f.file)]
+
+
+# -- verdict -----------------------------------------------------------------------------
+
+
+def where(
+    rank_frames: list[Frame],
+    record: progress.Record | None,
+    exit_code: int | None,
+    nccl_pending: str | None = None,
+) -> tuple[str, str]:
+    """(what the rank does, where) for one rank."""
+    if exit_code is not None:
+        return f"has exited (code {exit_code})", ""
+    mine = user_frames(rank_frames)
+    site = mine[0].site if mine else "?"
+    if record is not None and record.in_collective:
+        return f"wait in {record.op}", record.site or site
+    if nccl_pending:  # NCCL collectives return at once; the recorder knows they never ended
+        return f"wait in {nccl_pending.split()[0]}", (record.site if record else "") or site
+    for f in rank_frames:
+        if f.func in COLLECTIVES and "distributed" in f.file:
+            return f"wait in {f.func}", site
+    if any(os.path.join("utils", "data") in f.file for f in rank_frames):
+        return "wait for a DataLoader batch", site
+    func = mine[0].func if mine else (rank_frames[0].func if rank_frames else "?")
+    return f"is elsewhere: {func}", site
+
+
+def verdict(places: dict[int, tuple[str, str]]) -> str:
+    """'ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: f (train.py:17)'."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rank, place in sorted(places.items()):
+        groups.setdefault(place, []).append(rank)
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    parts = []
+    for (what, site), ranks in ordered:
+        who = f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+        verb = what if len(ranks) > 1 else _singular(what)
+        parts.append(f"{who} {verb}" + (f" ({site})" if site else ""))
+    return "; ".join(parts)
+
+
+def _singular(what: str) -> str:
+    return re.sub(r"^wait\b", "waits", what)
+
+
+def describe(workers: list[Any], state_dir: Path, stall: float) -> tuple[str, str]:
+    """Collect stacks and records; return (verdict line, details with per-rank stacks)."""
+    alive = {w.rank: w.proc.pid for w in workers if w.exit_code is None}
+    texts = dump_stacks(alive, state_dir)
+    nccl_ranks = [r for r in alive if flight.ready_file(state_dir, r).exists()]
+    recorded = flight.request(nccl_ranks, state_dir) if nccl_ranks else {}
+    places, details = {}, []
+    for w in workers:
+        record = progress.read(progress.path_for(state_dir, w.rank))
+        frames = main_thread(parse_threads(texts.get(w.rank, "")))
+        in_flight = flight.pending(recorded[w.rank]) if w.rank in recorded else None
+        places[w.rank] = where(frames, record, w.exit_code, in_flight)
+        mine = user_frames(frames)
+        what, site = places[w.rank]
+        details.append(f"  rank {w.rank} {_singular(what)}" + (f" at {site}" if site else ""))
+        if record is not None and record.in_collective and record.shapes:
+            details.append(
+                f"    in {record.op} with shapes {record.shapes} for "
+                f"{time.time() - record.since:.0f} s"
+            )
+        details.extend(f"    {f}" for f in mine[:8])
+        if w.rank in recorded:
+            details.extend(
+                f"    flight recorder: {line}" for line in flight.summarize(recorded[w.rank])
+            )
+        if w.rank in alive and w.rank not in texts:
+            details.append("    (no stack: the rank did not answer SIGUSR1)")
+    line = f"no rank made progress for {stall:.0f} s: {verdict(places)}"
+    return line, "\n".join(details)
