@@ -36,3 +36,42 @@ def visible_gpu_count(environ: dict[str, str] | None = None) -> int:
             break
         count += 1
     return min(count, physical)
+
+
+# One-way GB/s per NVLink link by NVLink version, and per PCIe lane by generation.
+NVLINK_GBPS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+
+def link_peak(index: int) -> dict[str, object] | None:
+    """The one-way peak of GPU `index`'s links to its peers, from NVML: active NVLinks times
+    the per-link rate of their version, else its PCIe link. None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        links, version = 0, 0
+        for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                    links += 1
+                    version = max(version, pynvml.nvmlDeviceGetNvLinkVersion(handle, link))
+            except pynvml.NVMLError:
+                break
+        if links:
+            gbps = links * NVLINK_GBPS.get(version, 25.0)
+            return {"gbps": gbps, "link": f"NVLink{version} x{links}"}
+        gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
+        width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
+        return {
+            "gbps": round(PCIE_LANE_GBPS.get(gen, 1.0) * width, 1),
+            "link": f"PCIe gen{gen} x{width}",
+        }
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()

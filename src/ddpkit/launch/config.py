@@ -11,7 +11,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +20,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.gpus import visible_gpu_count
 
 TargetKind = Literal["script", "module", "command"]
+__all__ = ["LaunchConfig", "add_options", "add_switches", "from_args", "replace"]
 
 # flag -> (default, help); the environment variable is DDPKIT_ + flag in upper snake case.
 OPTIONS: dict[str, tuple[str | None, str]] = {
@@ -75,6 +76,7 @@ class LaunchConfig:
     master_addr_given: bool = False
     hang_timeout: float = 300.0
     check_collectives: bool = False
+    raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
 
     @property
     def multi_node(self) -> bool:

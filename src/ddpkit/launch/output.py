@@ -19,9 +19,9 @@ TAIL_LINES = 30
 class RankOutput:
     """Pumps one rank's stdout and stderr (one thread each) into its log and the console."""
 
-    def __init__(self, rank: int, log_path: str, show: bool) -> None:
+    def __init__(self, rank: int, log_path: str, show: bool, prefix: bool = True) -> None:
         self.rank = rank
-        self.prefix = f"[rank {rank}] ".encode()
+        self.prefix = f"[rank {rank}] ".encode() if prefix else b""
         self.show = show
         self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)

@@ -216,7 +216,7 @@ def _start_worker(
         start_new_session=True,
     )
     show = cfg.ranks is None or rank in cfg.ranks
-    output = RankOutput(rank, str(run_dir / f"rank{rank}.log"), show)
+    output = RankOutput(rank, str(run_dir / f"rank{rank}.log"), show, not cfg.raw_output)
     if proc.stdout is None or proc.stderr is None:
         raise RuntimeError("worker pipes missing")
     output.start(proc.stdout, proc.stderr)

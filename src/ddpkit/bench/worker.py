@@ -1,0 +1,203 @@
+"""One rank of `ddpkit bench`: `python -m ddpkit.bench.worker CONFIG_JSON`, started by the
+launcher. Rank 0 prints nccl-tests' table as it goes and writes the files; every rank exits 7
+when a result was wrong (as nccl-tests does), else 0.
+
+Timing follows nccl-tests: warm-up, a barrier, then -n calls back to back, synchronised once at
+the end (every call with -z 1), measured with CUDA events on GPUs and a monotonic clock on CPU;
+time is the average per call, aggregated across ranks by -a. With -G N the -n calls are
+captured once in a CUDA graph and the graph is replayed N times, so small sizes measure the
+collective rather than Python's ~20 us per call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.bench import collectives, table
+from ddpkit.bench.options import BenchConfig
+from ddpkit.gpus import link_peak
+
+WRONG_EXIT = 7
+
+
+def main(config_json: str) -> int:
+    cfg = BenchConfig(**json.loads(config_json))
+    with ddpkit.setup() as s:
+        n, rank, device = s.world_size, s.rank, s.device
+        dtype = collectives.DTYPES[cfg.dtype]
+        devices = s.gather(_device_facts(rank, device))
+        peak = _peak(cfg, device) if n > 1 or cfg.peak != "auto" else None
+        versions = {"torch": torch.__version__, "backend": s.backend}
+        if s.backend == "nccl":
+            versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        if s.is_main:
+            print(
+                table.preamble(cfg, n, devices, " ".join(f"{k}={v}" for k, v in versions.items())),
+                flush=True,
+            )
+        rows = []
+        for size in cfg.sizes():
+            count, shown = collectives.counts(cfg.collective, size, n, dtype)
+            cases = collectives.build(
+                cfg.collective, count, n, rank, dtype, device, cfg.op, cfg.root
+            )
+            placements = {}
+            for name, case in cases.items():
+                us = _aggregate(_time(case, cfg, device), cfg.average, device)
+                wrong = _check(case, device) if cfg.check else 0
+                algbw = shown / us / 1e3 if us > 0 else 0.0
+                placements[name] = table.Placement(
+                    us, algbw, algbw * collectives.bus_factor(cfg.collective, n), wrong
+                )
+            row = table.Row(
+                shown,
+                count,
+                cfg.dtype,
+                cfg.op if collectives.uses_op(cfg.collective) else "none",
+                cfg.root if collectives.uses_root(cfg.collective) else -1,
+                placements["oop"],
+                placements["ip"],
+            )
+            rows.append(row)
+            if s.is_main:
+                print(table.format_row(row), flush=True)
+            del cases
+        if s.is_main:
+            print(table.footer(cfg, rows, peak), flush=True)
+            _write_files(cfg, rows, devices, peak, versions, n)
+        wrong = table.wrong_total(rows)
+        if wrong:
+            if s.is_main:
+                print(
+                    f"error: {wrong} element(s) differ from the exact result; the transport "
+                    "or the reduction is broken\nfix: run `ddpkit doctor` and check the "
+                    "links and drivers",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return WRONG_EXIT
+    return 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(case: collectives.Case, cfg: BenchConfig, device: torch.device) -> float:
+    """Average microseconds per call on this rank."""
+    for _ in range(cfg.warmup_iters):
+        case.run()
+    _sync(device)
+    graph = None
+    if cfg.graph:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for _ in range(cfg.iters):
+                case.run()
+        graph.replay()  # warm the graph once
+        _sync(device)
+    dist.barrier()
+    calls = cfg.iters * (cfg.graph or 1)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _loop(case, cfg, graph, device)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / calls
+    began = time.perf_counter()
+    _loop(case, cfg, graph, device)
+    return (time.perf_counter() - began) * 1e6 / calls
+
+
+def _loop(case: collectives.Case, cfg: BenchConfig, graph: Any, device: torch.device) -> None:
+    if graph is not None:
+        for _ in range(cfg.graph):
+            graph.replay()
+        return
+    for _ in range(cfg.iters):
+        case.run()
+        if cfg.blocking:
+            _sync(device)
+
+
+def _aggregate(us: float, how: int, device: torch.device) -> float:
+    t = torch.tensor([us], dtype=torch.float64, device=device)
+    if how == 0:
+        dist.broadcast(t, src=0)
+        return float(t.item())
+    op = {1: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX}[how]
+    dist.all_reduce(t, op=op)
+    return float(t.item()) / (dist.get_world_size() if how == 1 else 1)
+
+
+def _check(case: collectives.Case, device: torch.device) -> int | None:
+    case.reset()
+    _sync(device)
+    dist.barrier()
+    case.run()
+    _sync(device)
+    wrong = case.wrong()
+    if (
+        os.environ.get("DDPKIT_BENCH_PLANT_WRONG") == "1"
+        and dist.get_rank() == 0
+        and wrong is not None
+    ):
+        wrong += 1  # a planted wrong element: tests prove that wrong data is counted
+    flag = torch.tensor([-1 if wrong is None else wrong], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX if wrong is None else dist.ReduceOp.SUM)
+    return None if wrong is None else int(flag.item())
+
+
+def _device_facts(rank: int, device: torch.device) -> dict[str, Any]:
+    facts = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()[:10]}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        bus = "{:04x}:{:02x}:{:02x}".format(
+            getattr(props, "pci_domain_id", 0),
+            getattr(props, "pci_bus_id", 0),
+            getattr(props, "pci_device_id", 0),
+        )
+        return {**facts, "device": device.index, "bus": bus, "name": props.name}
+    return {**facts, "device": -1, "bus": "cpu", "name": platform.processor() or "CPU"}
+
+
+def _peak(cfg: BenchConfig, device: torch.device) -> dict[str, Any] | None:
+    if cfg.peak != "auto":
+        return {"gbps": float(cfg.peak), "link": "given with --peak"}
+    if device.type != "cuda":
+        return None
+    return link_peak(device.index)
+
+
+def _write_files(
+    cfg: BenchConfig,
+    rows: list[table.Row],
+    devices: list[dict[str, Any]],
+    peak: dict[str, Any] | None,
+    versions: dict[str, str],
+    n: int,
+) -> None:
+    if cfg.json:
+        table.write_json(cfg.json, cfg, rows, devices, peak, versions)
+    if cfg.csv:
+        table.write_csv(cfg.csv, rows)
+    if cfg.plot:
+        table.write_plot(cfg.plot, cfg, rows, n, peak)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
