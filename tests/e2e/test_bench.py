@@ -1,0 +1,208 @@
+"""ddpkit bench on CPU with gloo (2-3 ranks): the table reads like nccl-tests', the formulas
+hold row by row, results are checked, files are written, and bad flags are refused."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.bench.collectives import bus_factor
+
+pytestmark = pytest.mark.timeout(180)
+ANCHOR = Path(__file__).parents[3] / "shared" / "anchors" / "h200x2" / "nt_all_reduce.txt"
+BUS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
+}
+
+
+def bench(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=cwd,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
+    )
+
+
+def rows(stdout: str) -> list[list[str]]:
+    return [
+        line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")
+    ]
+
+
+@pytest.mark.parametrize("collective", list(BUS))
+def test_every_collective_runs_checks_and_obeys_the_formulas(collective):
+    n = 3
+    out = bench(collective, "-b", "64", "-e", "4K", "-f", "4", "-n", "3", "-g", str(n))
+    assert out.returncode == 0, out.stderr
+    table = rows(out.stdout)
+    assert len(table) == 4  # 64, 256, 1K, 4K
+    for r in table:
+        size, count = int(r[0]), int(r[1])
+        item = 4
+        expected_size = (
+            count * n * item
+            if collective in ("all_gather", "reduce_scatter", "alltoall")
+            else count * item
+        )
+        assert size == expected_size
+        for time, algbw, busbw in ((r[5], r[6], r[7]), (r[9], r[10], r[11])):
+            assert float(algbw) == pytest.approx(size / float(time) / 1e3, abs=0.006)
+            assert float(busbw) == pytest.approx(float(algbw) * BUS[collective](n), abs=0.006)
+        assert r[8] == "0"
+        assert r[12] in ("0", "N/A")
+    assert f"# Collective test concluded: {collective}_perf" in out.stdout
+
+
+def test_bus_factors_are_nccl_tests_definitions():
+    for name, factor in BUS.items():
+        assert bus_factor(name, 8) == pytest.approx(factor(8))
+
+
+def test_the_header_is_nccl_tests_own():
+    out = bench("all_reduce", "-b", "8", "-e", "32", "-f", "4", "-g", "2")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[2].startswith(
+        "# nThread 1 nGpus 2 minBytes 8 maxBytes 32 step: 4(factor) "
+        "warmup iters: 1 iters: 20 agg iters: 1 validation: 1 graph: 0"
+    )
+    assert sum(line.startswith("#  Rank ") for line in lines) == 2
+    if ANCHOR.exists():  # the three column-header rows, byte for byte
+        anchor = ANCHOR.read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if "out-of-place" in line)
+        assert lines[start : start + 3] == anchor[8:11]
+    first = rows(out.stdout)[0]
+    assert first[:5] == ["8", "2", "float", "sum", "-1"]
+    assert "# Avg bus bandwidth    : " in out.stdout
+
+
+def test_a_planted_wrong_result_is_counted_and_exits_7():
+    out = bench(
+        "all_reduce", "-b", "1K", "-e", "1K", "-g", "2", env={"DDPKIT_BENCH_PLANT_WRONG": "1"}
+    )
+    assert out.returncode == 7
+    assert rows(out.stdout)[0][8] == "1"
+    assert "differ from the exact result" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype"),
+    [
+        ("prod", "int32"),
+        ("max", "int8"),
+        ("min", "double"),
+        ("sum", "bfloat16"),
+        ("sum", "half"),
+        ("sum", "uint8"),
+    ],
+)
+def test_reductions_and_types_are_exact(op, dtype):
+    out = bench("all_reduce", "-b", "256", "-e", "256", "-o", op, "-d", dtype, "-g", "3")
+    assert out.returncode == 0, out.stderr
+    r = rows(out.stdout)[0]
+    assert (r[2], r[3], r[8], r[12]) == (dtype, op, "0", "0")
+
+
+def test_root_aggregation_and_blocking_flags_are_used():
+    out = bench(
+        "broadcast",
+        "-b",
+        "1K",
+        "-e",
+        "1K",
+        "-r",
+        "1",
+        "-a",
+        "3",
+        "-z",
+        "1",
+        "-w",
+        "2",
+        "-n",
+        "5",
+        "-g",
+        "2",
+    )
+    assert out.returncode == 0, out.stderr
+    assert rows(out.stdout)[0][4] == "1"
+    assert "warmup iters: 2 iters: 5" in out.stdout
+
+
+def test_json_csv_and_plot_are_written(tmp_path):
+    out = bench(
+        "all_gather",
+        "-b",
+        "64",
+        "-e",
+        "1K",
+        "-f",
+        "2",
+        "-g",
+        "2",
+        "--json",
+        "r.json",
+        "--csv",
+        "r.csv",
+        "--plot",
+        "r.png",
+        "--peak",
+        "10",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["schema"] == "ddpkit.bench/1"
+    assert len(data["rows"]) == 5
+    assert data["rows"][0]["oop"]["peak_fraction"] == pytest.approx(
+        data["rows"][0]["oop"]["busbw"] / 10
+    )
+    assert data["avg_busbw"] >= 0
+    table = list(csv.DictReader((tmp_path / "r.csv").open()))
+    assert [int(r["size"]) for r in table] == [r["size"] for r in data["rows"]]
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert "of the 10 GB/s one-way peak" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["all_reduce", "-b", "1X"], "-b '1X' is not a size"),
+        (["all_reduce", "-b", "2M", "-e", "1M"], "is larger than -e"),
+        (["all_reduce", "-n", "0"], "-n '0' must be at least 1"),
+        (["all_reduce", "-o", "xor"], "-o 'xor' is not one of"),
+        (["all_reduce", "-d", "float8"], "-d 'float8' is not one of"),
+        (["all_reduce", "-c", "2"], "-c '2' is not one of"),
+        (["all_reduce", "-a", "7"], "-a '7' is not one of"),
+        (["broadcast", "-r", "5", "-g", "2"], "-r 5 but only 2 rank(s)"),
+        (["all_reduce", "-G", "10"], "needs GPUs"),
+        (["all_reduce", "-o", "avg"], "gloo has no average"),
+        (["all_reduce", "--peak", "fast"], "is not a bandwidth"),
+        (["all_reduce", "-g", "0"], "must be at least 1"),
+        (["all_reduce", "-f", "x"], "-f 'x' is not an integer"),
+        (["all_reduce", "-i", "0"], "never reaches -e"),
+        (["all_reduce", "-z", "3"], "-z '3' is not one of"),
+        (["all_reduce", "-w", "-1"], "-w '-1' must be at least 0"),
+    ],
+)
+def test_bad_flags_are_refused_with_exit_2(args, says):
+    if args[-1] == "0" and args[-2] == "-i":
+        args = [*args, "-b", "1K", "-e", "2K"]
+    out = bench(*args)
+    assert out.returncode == 2
+    assert says in out.stderr
+    assert "fix:" in out.stderr
