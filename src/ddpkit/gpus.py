@@ -38,8 +38,16 @@ def visible_gpu_count(environ: dict[str, str] | None = None) -> int:
     return min(count, physical)
 
 
-# One-way GB/s per NVLink link by NVLink version, and per PCIe lane by generation.
-NVLINK_GBPS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+# NVML's NVLink version enum -> (generation, one-way GB/s per link); GB/s per PCIe lane.
+NVLINK = {
+    1: ("1", 20.0),
+    2: ("2", 25.0),
+    3: ("2.2", 25.0),
+    4: ("3", 25.0),
+    5: ("3.1", 25.0),
+    6: ("4", 25.0),
+    7: ("5", 50.0),
+}
 PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 
@@ -63,8 +71,8 @@ def link_peak(index: int) -> dict[str, object] | None:
             except pynvml.NVMLError:
                 break
         if links:
-            gbps = links * NVLINK_GBPS.get(version, 25.0)
-            return {"gbps": gbps, "link": f"NVLink{version} x{links}"}
+            generation, per_link = NVLINK.get(version, (f"?{version}", 25.0))
+            return {"gbps": links * per_link, "link": f"NVLink{generation} x{links}"}
         gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
         width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
         return {

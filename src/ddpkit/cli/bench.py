@@ -28,7 +28,12 @@ def run(args: argparse.Namespace) -> int:
     ns.module, ns.no_python, ns.target = "ddpkit.bench.worker", False, []
     launch = config.from_args(ns)
     cfg = options.from_args(args, world=launch.nproc_per_node, gpu=launch.backend != "gloo")
+    # no per-call tracking or flight recorder: they would be part of what is timed
     launch = config.replace(
-        launch, args=(json.dumps(cfg.to_dict()),), raw_output=True, ranks=frozenset({0})
+        launch,
+        args=(json.dumps(cfg.to_dict()),),
+        raw_output=True,
+        ranks=frozenset({0}),
+        track=False,
     )
     return start(launch)

@@ -136,7 +136,7 @@ def track_collectives(module: ModuleType) -> None:
     from ddpkit.launch import progress
 
     record = progress.writer()
-    if record is None:
+    if record is None or os.environ.get("DDPKIT_TRACK") == "0":
         return
 
     def wrap(name: str, original: Any) -> Any:

@@ -77,6 +77,7 @@ class LaunchConfig:
     hang_timeout: float = 300.0
     check_collectives: bool = False
     raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
+    track: bool = True  # per-collective records and the flight recorder (hang doctor)
 
     @property
     def multi_node(self) -> bool:

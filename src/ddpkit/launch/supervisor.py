@@ -187,10 +187,13 @@ def worker_env(
         }
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # NCCL's flight recorder: the hang doctor's record of collectives in flight
-    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
-        env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
+    if cfg.track and cfg.hang_timeout > 0:
+        # NCCL's flight recorder: the hang doctor's record of collectives in flight
+        if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+            env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
+    if not cfg.track:
+        env["DDPKIT_TRACK"] = "0"
     if cfg.check_collectives:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if cfg.omp_threads is not None:
