@@ -111,8 +111,10 @@ def build(
 ) -> dict[str, Case]:
     """The out-of-place and in-place cases for one size."""
     if count == 0:  # as NCCL does for an empty buffer: nothing to move, nothing to check
-        return {"oop": Case(lambda: None, lambda: None, lambda: 0),
-                "ip": Case(lambda: None, lambda: None, lambda: 0)}
+        return {
+            "oop": Case(lambda: None, lambda: None, lambda: 0),
+            "ip": Case(lambda: None, lambda: None, lambda: 0),
+        }
     reduce_op = getattr(dist.ReduceOp, REDUCE_OPS[op])
     total = count * n if collective in PER_RANK else count
 

@@ -34,6 +34,8 @@ def serve(state_dir: str, rank: str) -> None:
     ready_file(Path(state_dir), rank).touch()
 
     def loop() -> None:
+        with contextlib.suppress(Exception):
+            dump()  # pay the first call's set-up now, not when a hang is being reported
         while True:
             time.sleep(0.5)
             if not request.exists():
@@ -46,16 +48,22 @@ def serve(state_dir: str, rank: str) -> None:
 
 
 def dump() -> bytes:
+    """This process's flight-recorder dump (pickled), without per-collective stack traces,
+    which are slow to symbolise and which the hang doctor takes from faulthandler instead."""
     from torch._C import _distributed_c10d as c10d
 
     for name in ("_dump_nccl_trace", "_dump_fr_trace"):
         fn = getattr(c10d, name, None)
-        if fn is not None:
+        if fn is None:
+            continue
+        try:
+            return bytes(fn(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        except TypeError:  # an older signature
             return bytes(fn())
     raise RuntimeError("this torch has no flight recorder dump")
 
 
-def request(ranks: list[int], state_dir: Path, wait: float = 3.0) -> dict[int, Any]:
+def request(ranks: list[int], state_dir: Path, wait: float = 8.0) -> dict[int, Any]:
     """Launcher side: rank -> the unpickled dump, for the ranks that answered in time."""
     for rank in ranks:
         request_file, out = _paths(state_dir, rank)
