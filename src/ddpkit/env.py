@@ -75,6 +75,8 @@ def check_gpu_fit(env: DistEnv, visible_gpus: int) -> None:
 
 
 def _read_torchrun(env: Mapping[str, str]) -> DistEnv:
+    if "RANK" in env:
+        _int(env, "RANK", minimum=0)  # "RANK=0,1" is the first thing to say, if it is so
     if "RANK" not in env or "WORLD_SIZE" not in env:
         have, missing = ("WORLD_SIZE", "RANK") if "RANK" not in env else ("RANK", "WORLD_SIZE")
         if "RANK" not in env and "WORLD_SIZE" not in env:

@@ -1,0 +1,176 @@
+"""`ddpkit doctor [script.py]`: report the machine, check what breaks multi-GPU jobs (each
+finding with a fix), scan a script for the classic mistakes, and run a real collective."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+SMOKE_BOUND = 180  # seconds: the smoke test never takes longer, hung or not
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor", help="check this machine for multi-GPU problems, with fixes", description=__doc__
+    )
+    p.add_argument("script", nargs="?", help="also scan this training script")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-smoke", action="store_true", help="skip the collective smoke test")
+    p.add_argument("--strict", action="store_true", help="treat warnings as errors")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpkit.doctor import checks, facts, script
+
+    environ = dict(os.environ)
+    found = facts.gather(environ)
+    findings = checks.run_all(found, environ)
+    if args.script:
+        findings += script.scan(args.script)
+        findings.sort(key=lambda f: checks.LEVELS.index(f.level))  # problems first
+    smoke = None if args.no_smoke else smoke_test(len(found.gpus))
+    if smoke is not None and not smoke.get("ok"):
+        findings.insert(
+            0,
+            checks.Finding(
+                "error",
+                "smoke",
+                smoke["what"],
+                "a real collective across the local ranks failed",
+                "read the output below; fix the errors above first, then rerun `ddpkit doctor`",
+            ),
+        )
+    errors = sum(f.level == "error" for f in findings)
+    warnings = sum(f.level == "warning" for f in findings)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "schema": "ddpkit.doctor/1",
+                    "facts": found.to_dict(),
+                    "findings": [f.to_dict() for f in findings],
+                    "smoke": smoke,
+                    "summary": {"errors": errors, "warnings": warnings},
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(render(found, findings, smoke, errors, warnings))
+    return 1 if errors or (args.strict and warnings) else 0
+
+
+def smoke_test(gpus: int) -> dict[str, Any]:
+    """All-reduce across every local GPU (or 2 CPU ranks) through ddpkit run, bounded."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "-n",
+        "gpu" if gpus else "cpu",
+        "--init-timeout",
+        "60",
+        "--hang-timeout",
+        "30",
+        "--grace",
+        "2",
+        "--ranks",
+        "0",
+        "-m",
+        "ddpkit.doctor.smoke",
+    ]
+    try:
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=SMOKE_BOUND, start_new_session=False
+        )
+    except subprocess.TimeoutExpired as err:
+        seen = (err.stderr or b"")[-800:]
+        return {
+            "ok": False,
+            "what": f"the smoke test did not finish in {SMOKE_BOUND} s",
+            "output": seen.decode(errors="replace") if isinstance(seen, bytes) else seen,
+        }
+    line = next((x for x in out.stdout.splitlines() if "DDPKIT_SMOKE " in x), None)
+    if out.returncode != 0 or line is None:
+        return {
+            "ok": False,
+            "what": f"the smoke test failed (exit {out.returncode})",
+            "output": (out.stdout + out.stderr)[-1500:],
+        }
+    result = json.loads(line.split("DDPKIT_SMOKE ", 1)[1])
+    if result["wrong"]:
+        return {
+            "ok": False,
+            "what": f"all_reduce gave {result['wrong']} wrong element(s)",
+            **result,
+        }
+    return {"ok": True, **result}
+
+
+def render(
+    found: Any, findings: list[Any], smoke: dict[str, Any] | None, errors: int, warnings: int
+) -> str:
+    lines = [f"ddpkit doctor: {errors} error(s), {warnings} warning(s)", ""]
+    for f in findings:
+        where = f" [{f.where}]" if f.where else ""
+        lines.append(f"{f.level.upper():<8}{f.what}{where}")
+        lines.append(f"        why: {f.why}")
+        lines.append(f"        fix: {f.fix}")
+    if findings:
+        lines.append("")
+    gpus = (
+        "; ".join(
+            f"{g.index}: {g.name}, {g.memory_mib} MiB, {g.bus_id or '?'}"
+            + (f", NVLink{g.nvlink_version} x{g.nvlinks_active}" if g.nvlinks_active else "")
+            + (f", used by {g.processes}" if g.processes else "")
+            for g in found.gpus
+        )
+        or "none"
+    )
+    shm = f"{found.shm_bytes / 2**30:.1f} GiB" if found.shm_bytes else "?"
+    memlock = "unlimited" if found.memlock_bytes is None else f"{found.memlock_bytes // 1024} KiB"
+    rows = [
+        ("system", f"{found.os}, kernel {found.kernel}, {found.cpu_cores} cores"),
+        ("python", found.python),
+        (
+            "torch",
+            f"{found.torch or 'not installed'} (CUDA {found.torch_cuda or '-'}, NCCL "
+            f"{found.nccl or ('built in' if found.nccl_built else 'not built')})",
+        ),
+        ("driver", f"{found.driver or '-'} (CUDA up to {found.driver_cuda or '-'})"),
+        ("gpus", gpus),
+        (
+            "peer access",
+            ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in found.peer_access.items()) or "-",
+        ),
+        ("/dev/shm", shm),
+        ("memlock", memlock),
+        ("infiniband", ", ".join(found.infiniband) or "none"),
+        (
+            "interfaces",
+            ", ".join(f"{k} {' '.join(v)}".strip() for k, v in sorted(found.interfaces.items())),
+        ),
+    ]
+    lines += [f"{k:<12} {v}" for k, v in rows]
+    if found.variables:
+        lines.append("variables    " + " ".join(f"{k}={v}" for k, v in found.variables.items()))
+    if found.topology:
+        lines += ["", found.topology]
+    if smoke is not None:
+        lines.append("")
+        if smoke.get("ok"):
+            lines.append(
+                f"smoke test   all_reduce on {smoke['ranks']} rank(s) "
+                f"({smoke['backend']}): correct; {smoke['bytes'] // 2**20} MiB in "
+                f"{smoke['time_us']:.0f} us, busbw {smoke['busbw_gbps']} GB/s"
+            )
+        else:
+            lines.append(f"smoke test   FAILED: {smoke['what']}")
+            lines += ["  | " + x for x in str(smoke.get("output", "")).splitlines()[-15:]]
+    return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""The doctor's smoke test, one rank of it: an all_reduce whose exact result is known, then
+one large all_reduce timed. Rank 0 prints one `DDPKIT_SMOKE {json}` line.
+`ddpkit doctor` starts it through the launcher, with hard time bounds."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+import ddpkit
+
+
+def main() -> None:
+    with ddpkit.setup() as s:
+        n = s.world_size
+        values = torch.full((4096,), float(s.rank + 1), device=s.device)
+        dist.all_reduce(values)
+        wrong = int((values != n * (n + 1) / 2).sum())
+        size = (256 if s.device.type == "cuda" else 16) * 2**20
+        data = torch.ones(size // 4, device=s.device)
+        for _ in range(2):
+            dist.all_reduce(data)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize()
+        s.barrier()
+        iters = 5
+        began = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(data)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize()
+        us = (time.perf_counter() - began) * 1e6 / iters
+        us = s.reduce(us, op="max")
+        algbw = size / us / 1e3
+        busbw = algbw * (2 * (n - 1) / n if n > 1 else 1)
+        wrong = s.reduce(wrong, op="sum")  # every rank takes part, not only rank 0
+        if s.is_main:
+            print(
+                "DDPKIT_SMOKE "
+                + json.dumps(
+                    {
+                        "ranks": n,
+                        "backend": s.backend,
+                        "wrong": wrong,
+                        "bytes": size,
+                        "time_us": round(us, 1),
+                        "busbw_gbps": round(busbw, 2),
+                    }
+                ),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""ddpkit doctor's checks, each triggered by a crafted environment, facts or files."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from ddpkit.doctor import checks, script
+from ddpkit.doctor.facts import Facts, Gpu, infiniband_devices, shm_size, watched
+
+
+def findings(facts: Facts | None = None, **env: str) -> list[checks.Finding]:
+    return checks.run_all(facts or Facts(interfaces={"lo": ["127.0.0.1"], "eth0": []}), env)
+
+
+def only(found: list[checks.Finding], check: str) -> list[checks.Finding]:
+    return [f for f in found if f.check == check]
+
+
+def gpus(n: int, **kw) -> list[Gpu]:
+    return [Gpu(i, "H200", 143771, f"0000:00:0{i}.0", **kw) for i in range(n)]
+
+
+def test_a_clean_environment_has_no_findings():
+    assert findings() == []
+
+
+def test_malformed_rank_is_an_error_with_the_env_fix():
+    (f,) = only(findings(RANK="0,1", WORLD_SIZE="2"), "variables")
+    assert f.level == "error"
+    assert "RANK='0,1' is not one integer" in f.what
+    assert "ddpkit run" in f.fix
+
+
+def test_rank_beyond_world_size_is_an_error():
+    (f,) = only(findings(RANK="3", WORLD_SIZE="2"), "variables")
+    assert "RANK=3 but the job has only 2" in f.what
+
+
+def test_local_rank_beyond_visible_gpus_is_an_error():
+    facts = Facts(gpus=gpus(2))
+    (f,) = only(findings(facts, RANK="2", WORLD_SIZE="3", LOCAL_RANK="2"), "variables")
+    assert "LOCAL_RANK=2 but only 2 GPU(s)" in f.what
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("CUDA_VISIBLE_DIVICE", "CUDA_VISIBLE_DEVICES"),
+        ("NCCL_DEBUGG", "NCCL_DEBUG"),
+        ("MASTER_ADRR", "MASTER_ADDR"),
+        ("WORLD_SIZ", "WORLD_SIZE"),
+        ("NCCL_SOCKET_IFNAM", "NCCL_SOCKET_IFNAME"),
+    ],
+)
+def test_misspelt_variables_are_named_with_the_right_name(typo, meant):
+    (f,) = only(findings(**{typo: "1"}), "spelling")
+    assert f.level == "warning"
+    assert f"misspelling of {meant}" in f.what
+    assert f"export {meant}=" in f.fix
+
+
+def test_unrelated_variables_are_not_called_misspelt():
+    assert not only(findings(HOME="/root", EDITOR="vi", PYTHONPATH="x", LANG="C"), "spelling")
+
+
+def test_visible_devices_naming_missing_or_repeated_gpus_are_errors():
+    facts = Facts(gpus=gpus(2))
+    missing = only(findings(facts, CUDA_VISIBLE_DEVICES="0,3"), "devices")
+    assert ["names GPU 3" in f.what for f in missing] == [True]
+    repeated = only(findings(facts, CUDA_VISIBLE_DEVICES="1,1"), "devices")
+    assert ["repeats GPU 1" in f.what for f in repeated] == [True]
+
+
+def test_a_privileged_master_port_is_a_warning():
+    found = only(findings(MASTER_PORT="1010"), "port")
+    assert any(f.level == "warning" and "privileged" in f.what for f in found)
+
+
+def test_a_master_port_in_use_is_an_error_naming_the_holder():
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        (f,) = [f for f in only(findings(MASTER_PORT=str(port)), "port") if f.level == "error"]
+    assert f"MASTER_PORT={port} is already in use" in f.what
+    assert "python" in f.what
+
+
+def test_a_master_addr_on_the_debian_hostname_loopback_is_flagged():
+    found = only(
+        findings(
+            MASTER_ADDR="127.0.1.1",
+            WORLD_SIZE="4",
+            LOCAL_WORLD_SIZE="2",
+            RANK="0",
+            MASTER_PORT="29500",
+        ),
+        "address",
+    )
+    assert found[0].level == "error"
+    assert "127.0.1.1" in found[0].what
+
+
+def test_a_master_addr_that_does_not_resolve_is_an_error():
+    (f,) = only(findings(MASTER_ADDR="no-such-host.invalid"), "address")
+    assert "does not resolve" in f.what
+
+
+def test_small_dev_shm_is_an_error_with_several_gpus():
+    (f,) = only(findings(Facts(shm_bytes=64 * 2**20, gpus=gpus(2))), "shm")
+    assert f.level == "error"
+    assert "--shm-size" in f.fix
+
+
+def test_shm_and_infiniband_are_read_from_the_files(tmp_path):
+    assert shm_size(str(tmp_path)) > 0
+    (tmp_path / "mlx5_0").mkdir()
+    assert infiniband_devices(str(tmp_path)) == ["mlx5_0"]
+    assert infiniband_devices(str(tmp_path / "none")) == []
+
+
+@pytest.mark.parametrize("name", ["NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"])
+def test_nccl_switches_that_slow_things_down_are_warnings(name):
+    (f,) = only(findings(**{name: "1"}), "nccl")
+    assert f.level == "warning"
+
+
+def test_nvls_off_is_only_information():
+    (f,) = only(findings(NCCL_NVLS_ENABLE="0"), "nccl")
+    assert f.level == "info"
+
+
+def test_a_socket_interface_that_does_not_exist_is_an_error():
+    (f,) = only(findings(NCCL_SOCKET_IFNAME="ib9"), "nccl")
+    assert "matches no network interface" in f.what
+    assert not only(findings(NCCL_SOCKET_IFNAME="eth"), "nccl"), "a prefix of eth0 is fine"
+    assert not only(findings(GLOO_SOCKET_IFNAME="lo"), "nccl")
+
+
+def test_low_memlock_with_infiniband_is_a_warning():
+    facts = Facts(infiniband=["mlx5_0"], memlock_bytes=64 * 1024)
+    (f,) = only(findings(facts), "memlock")
+    assert "ulimit -l unlimited" in f.fix
+    assert not only(findings(Facts(infiniband=["mlx5_0"], memlock_bytes=None)), "memlock")
+
+
+def test_gpu_pairs_without_peer_access_busy_gpus_and_old_drivers_are_found():
+    facts = Facts(
+        gpus=gpus(2, processes=[4242]),
+        peer_access={"0-1": False},
+        torch="2.11",
+        torch_cuda="13.0",
+        driver_cuda="12.4",
+        nccl_built=True,
+    )
+    found = findings(facts)
+    assert only(found, "p2p")[0].what.startswith("GPUs 0 and 1 cannot access")
+    assert len(only(found, "busy")) == 2
+    assert "supports CUDA up to 12.4" in only(found, "driver")[0].what
+
+
+def test_torch_without_nccl_on_a_gpu_machine_is_an_error():
+    facts = Facts(gpus=gpus(1), torch="2.13.0+cpu", nccl_built=False)
+    assert only(findings(facts), "nccl")[0].level == "error"
+
+
+def test_oversubscribed_threads_are_a_warning():
+    facts = Facts(cpu_cores=16, gpus=gpus(8))
+    (f,) = only(findings(facts, OMP_NUM_THREADS="8"), "threads")
+    assert "64 threads on 16 cores" in f.what
+    assert "OMP_NUM_THREADS=2" in f.fix
+
+
+def test_watched_variables_are_the_distributed_ones():
+    assert watched("NCCL_DEBUG")
+    assert watched("MASTER_ADDR")
+    assert not watched("HOME")
+
+
+CLASSIC = """import os, torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+# python -m torch.distributed.launch --nproc_per_node=3 train.py
+rank = int(os.environ["RANK"])
+dist.init_process_group("nccl")
+model = DDP(torch.nn.Linear(2, 2).cuda(), device_ids=[rank])
+sampler = torch.utils.data.DistributedSampler(range(10))
+"""
+
+
+def test_a_script_scan_points_at_each_classic_mistake(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(CLASSIC)
+    found = {f.what.split(" ")[0] + "@" + f.where for f in script.scan(str(path))}
+    assert "device_ids=[rank]@train.py:7" in found
+    assert "torch.distributed.launch@train.py:4" in found
+    assert "backend@train.py:6" in found
+    assert "init_process_group@train.py:6" in found
+    assert "DistributedSampler@train.py:8" in found  # without set_epoch
+
+
+def test_a_clean_ddpkit_script_has_no_script_findings(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import ddpkit\ns = ddpkit.setup()\nmodel = s.wrap(net)\n")
+    assert script.scan(str(path)) == []
+
+
+def test_an_unreadable_or_invalid_script_is_a_usage_error(tmp_path):
+    from ddpkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot read"):
+        script.scan(str(tmp_path / "missing.py"))
+    (tmp_path / "bad.py").write_text("def (:\n")
+    with pytest.raises(ConfigError, match="not valid Python"):
+        script.scan(str(tmp_path / "bad.py"))
