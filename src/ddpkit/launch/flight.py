@@ -94,6 +94,32 @@ def summarize(dump: Any, last: int = 3) -> list[str]:
     return lines
 
 
+def ask(state_dir: Path, rank: int) -> None:
+    """Request a dump without waiting (the hang watch reads it at its next sample)."""
+    request_file, out = _paths(state_dir, rank)
+    out.unlink(missing_ok=True)
+    request_file.touch()
+
+
+def answer(state_dir: Path, rank: int) -> Any | None:
+    """The dump a rank wrote after `ask`, or None if it has not (yet)."""
+    out = _paths(state_dir, rank)[1]
+    try:
+        return pickle.loads(out.read_bytes())  # noqa: S301 - written by our own rank
+    except Exception:
+        return None
+
+
+def progress_state(dump: Any) -> tuple[int, int | None]:
+    """(highest completed collective sequence number, oldest pending one or None)."""
+    entries = dump.get("entries", []) if isinstance(dump, dict) else []
+    done = [int(e.get("collective_seq_id", -1)) for e in entries if e.get("state") == "completed"]
+    waiting = [
+        int(e.get("collective_seq_id", -1)) for e in entries if e.get("state") != "completed"
+    ]
+    return max(done, default=-1), min(waiting, default=None)
+
+
 def pending(dump: Any) -> str | None:
     """The oldest collective this rank issued that has not completed, if any."""
     entries = dump.get("entries", []) if isinstance(dump, dict) else []

@@ -32,11 +32,16 @@ SAMPLE_EVERY = 1.0
 HANG_EXIT_CODE = 124  # as GNU timeout's
 
 
+FLIGHT_EVERY = 5.0  # seconds between flight-recorder polls of NCCL ranks
+
+
 @dataclass
 class RankState:
     cpu: float = -1.0
     record: progress.Record | None = None
     last_progress: float = field(default_factory=time.monotonic)
+    nccl: tuple[int, int | None] | None = None  # (last completed seq, oldest pending seq)
+    stuck_in_nccl: bool = False
 
 
 class HangWatch:
@@ -48,12 +53,16 @@ class HangWatch:
         self.timeout = timeout
         self.ranks = {w.rank: RankState() for w in workers}
         self.next_sample = 0.0
+        self.next_flight = 0.0
 
     def hung(self, now: float) -> bool:
         if self.timeout <= 0 or now < self.next_sample:
             return False
         interval = now - (self.next_sample - SAMPLE_EVERY) if self.next_sample else SAMPLE_EVERY
         self.next_sample = now + SAMPLE_EVERY
+        if now >= self.next_flight:
+            self.next_flight = now + FLIGHT_EVERY
+            self._poll_flight_recorders(now)
         for w in self.workers:
             state = self.ranks[w.rank]
             record = progress.read(progress.path_for(self.state_dir, w.rank))
@@ -64,12 +73,34 @@ class HangWatch:
                 or record.finished != previous.finished
                 or record.beats != previous.beats
             )
-            inside = record is not None and record.in_collective
+            inside = (record is not None and record.in_collective) or state.stuck_in_nccl
             busy = state.cpu >= 0 and not inside and cpu - state.cpu >= BUSY_SHARE * interval
             if advanced or busy:
                 state.last_progress = now
             state.cpu, state.record = cpu, record
         return all(now - s.last_progress >= self.timeout for s in self.ranks.values())
+
+    def _poll_flight_recorders(self, now: float) -> None:
+        """NCCL calls return at once and the rank then spins at its next sync, so CPU time
+        says nothing: completed sequence numbers advancing is progress, and the same
+        collective pending at two polls in a row means the rank is waiting in it."""
+        for w in self.workers:
+            if w.exit_code is not None or not flight.ready_file(self.state_dir, w.rank).exists():
+                continue
+            state = self.ranks[w.rank]
+            dump = flight.answer(self.state_dir, w.rank)
+            if dump is not None:
+                seen = flight.progress_state(dump)
+                if state.nccl is not None and seen[0] > state.nccl[0]:
+                    state.last_progress = now
+                state.stuck_in_nccl = (
+                    seen[1] is not None
+                    and state.nccl is not None
+                    and seen[1] == state.nccl[1]
+                    and seen[0] == state.nccl[0]
+                )
+                state.nccl = seen
+            flight.ask(self.state_dir, w.rank)
 
     def stalled_for(self, now: float) -> float:
         return min(now - s.last_progress for s in self.ranks.values())
