@@ -215,7 +215,12 @@ class Session:
         if self._owns_group and dist.is_initialized():
             if self.backend == "gloo" and self.world_size > 1 and not failed:
                 _drain_gloo()
-            dist.destroy_process_group()
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if failed and self.backend == "nccl" and self.world_size > 1 and abort is not None:
+                # destroy waits for NCCL work that peers will never finish; abort does not
+                abort()
+            else:
+                dist.destroy_process_group()
         self._owns_group = False
 
     def __enter__(self) -> Session:

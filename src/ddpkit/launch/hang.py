@@ -32,7 +32,7 @@ SAMPLE_EVERY = 1.0
 HANG_EXIT_CODE = 124  # as GNU timeout's
 
 
-FLIGHT_EVERY = 5.0  # seconds between flight-recorder polls of NCCL ranks
+FLIGHT_EVERY = 2.0  # seconds between flight-recorder polls of NCCL ranks
 
 
 @dataclass

@@ -265,7 +265,9 @@ def _supervise(
         if signals.count:
             name = signal.Signals(signals.last).name
             return report.Outcome.interrupted_by(name, 128 + signals.last)
-        failed = [w for w in workers if w.exit_code not in (None, 0)]
+        failed = [w for w in workers if w.exit_code not in (None, 0)] or _errored(
+            workers, state_dir, now
+        )
         if failed:
             # let near-simultaneous exits land, so the root cause is chosen among them
             time.sleep(0.2)
@@ -288,6 +290,27 @@ def _supervise(
             if missing:
                 return report.Outcome.launcher_failure(missing)
         time.sleep(POLL)
+
+
+ERROR_EXIT_WAIT = 3.0
+
+
+def _errored(workers: list[Worker], state_dir: Path, now: float) -> list[Worker]:
+    """Ranks that recorded an uncaught error but have not exited ERROR_EXIT_WAIT s later (e.g.
+    stuck tearing down NCCL while a peer waits in a collective): failed all the same."""
+    stuck = []
+    for w in workers:
+        if w.exit_code is not None:
+            continue
+        error = state_dir / f"rank{w.rank}.error"
+        try:
+            written = error.stat().st_mtime
+        except OSError:
+            continue
+        if time.time() - written > ERROR_EXIT_WAIT:
+            w.exit_code, w.ended_wall = 1, written
+            stuck.append(w)
+    return stuck
 
 
 def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> str | None:
