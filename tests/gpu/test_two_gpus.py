@@ -4,12 +4,12 @@ Each is torn down and leaves no process (nvidia-smi shows none of the job's pids
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import pytest
 
 from tests.e2e.helpers import gone_within, start
+from tests.gpu.test_one_gpu import gpu_pids
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -51,16 +51,6 @@ while True:
     if step == crash_at and s.rank == 1:
         raise RuntimeError("planted crash on rank 1")
 """
-
-
-def gpu_pids() -> set[int]:
-    out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout
-    return {int(p) for p in out.split() if p.strip().isdigit()}
 
 
 def test_a_stalled_nccl_rank_is_named_by_the_hang_doctor(tmp_path):

@@ -157,18 +157,3 @@ def test_hang_doctor_options(script, gpus):
     assert parse(["--check-collectives", script]).check_collectives
     assert parse([script], {"DDPKIT_CHECK_COLLECTIVES": "1"}).check_collectives
     assert not parse([script], {"DDPKIT_CHECK_COLLECTIVES": "0"}).check_collectives
-
-
-def test_flight_recorder_progress_reads_completed_and_pending_sequence_numbers():
-    from ddpkit.launch.flight import pending, progress_state
-
-    dump = {
-        "entries": [
-            {"collective_seq_id": 1, "state": "completed", "profiling_name": "nccl:all_reduce"},
-            {"collective_seq_id": 2, "state": "completed", "profiling_name": "nccl:all_reduce"},
-            {"collective_seq_id": 3, "state": "started", "profiling_name": "nccl:broadcast"},
-        ]
-    }
-    assert progress_state(dump) == (2, 3)
-    assert pending(dump) == "broadcast #3 (started)"
-    assert progress_state({"entries": []}) == (-1, None)

@@ -58,6 +58,14 @@ class NodeGroup:
     def has(self, key: str) -> bool:
         return bool(self._call("check", [f"ddpkit/{key}"]))
 
+    def share_run_id(self, own: str) -> None:
+        """Every node takes node 0's run id, so the job has one name on every machine."""
+        if self.hosts_store:
+            self.run_id = own
+            self.publish("run_id", own)
+        else:
+            self.run_id = self.fetch("run_id")
+
     def start_heartbeat(self) -> None:
         if self.control is not None:
             threading.Thread(target=self._beat, daemon=True, name="ddpkit-heartbeat").start()
@@ -152,10 +160,7 @@ def _join_rdzv(cfg: LaunchConfig) -> NodeGroup:
     host = cfg.rdzv.rpartition(":")[0]
     if rank == 0:
         group.master_addr = cfg.master_addr if cfg.master_addr_given else _address_for(host)
-        group.run_id = cfg.run_id
-        group.publish("run_id", group.run_id)
-    else:
-        group.run_id = group.fetch("run_id")
+    group.share_run_id(cfg.run_id)
     return group
 
 
@@ -190,11 +195,7 @@ def _join_static(cfg: LaunchConfig) -> NodeGroup:
     group = NodeGroup(
         group_rank=rank, nnodes=cfg.nnodes, master_addr=cfg.master_addr, control=store
     )
-    if rank == 0:
-        group.run_id = cfg.run_id
-        group.publish("run_id", cfg.run_id)
-    else:
-        group.run_id = group.fetch("run_id")
+    group.share_run_id(cfg.run_id)
     return group
 
 

@@ -1,0 +1,78 @@
+"""The hang doctor's reading of stacks and records, and its verdict line (pure logic)."""
+
+from __future__ import annotations
+
+from ddpkit.launch import progress
+from ddpkit.launch.hang import Frame, main_thread, parse_threads, user_frames, verdict, where
+
+DUMP = """Thread 0x00007f01 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/usr/lib/python3.11/threading.py", line 622 in wait
+
+Current thread 0x00007f00 (most recent call first):
+  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
+  File "/home/me/train.py", line 42 in step
+  File "/home/me/train.py", line 60 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+  File "/x/site-packages/ddpkit/launch/bootstrap.py", line 150 in main
+  File "/x/site-packages/ddpkit/launch/bootstrap.py", line 210 in <module>
+"""
+
+
+def test_faulthandler_dumps_are_split_into_threads_and_frames():
+    threads = parse_threads(DUMP)
+    assert len(threads) == 2
+    main = main_thread(threads)
+    assert main[0] == Frame(
+        "/x/site-packages/torch/distributed/distributed_c10d.py", 2501, "all_reduce"
+    )
+    assert [str(f) for f in user_frames(main)] == ["train.py:42 in step", "train.py:60 in <module>"]
+
+
+def test_a_rank_inside_a_collective_is_placed_there_from_its_stack():
+    assert where(main_thread(parse_threads(DUMP)), None, None) == (
+        "wait in all_reduce",
+        "train.py:42",
+    )
+
+
+def test_the_record_names_the_call_site_of_a_collective_in_flight():
+    record = progress.Record(3, 0, 1.0, True, "broadcast", "[4]", "model.py:7")
+    assert where([], record, None) == ("wait in broadcast", "model.py:7")
+
+
+def test_a_pending_nccl_collective_places_the_rank_in_it():
+    record = progress.Record(5, 0, 0.0, False, "all_reduce", "[8]", "train.py:13")
+    assert where(
+        [Frame("/home/me/train.py", 14, "<module>")], record, None, "all_reduce #6 (scheduled)"
+    ) == ("wait in all_reduce", "train.py:13")
+
+
+def test_an_exited_rank_says_so():
+    assert where([], None, 0) == ("has exited (code 0)", "")
+
+
+def test_the_verdict_groups_ranks_largest_group_first():
+    places = {
+        0: ("wait in all_reduce", "train.py:42"),
+        1: ("is elsewhere: stuck_here", "train.py:17"),
+        2: ("wait in all_reduce", "train.py:42"),
+    }
+    assert verdict(places) == (
+        "ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: stuck_here (train.py:17)"
+    )
+
+
+def test_flight_recorder_progress_reads_completed_and_pending_sequence_numbers():
+    from ddpkit.launch.flight import pending, progress_state
+
+    dump = {
+        "entries": [
+            {"collective_seq_id": 1, "state": "completed", "profiling_name": "nccl:all_reduce"},
+            {"collective_seq_id": 2, "state": "completed", "profiling_name": "nccl:all_reduce"},
+            {"collective_seq_id": 3, "state": "started", "profiling_name": "nccl:broadcast"},
+        ]
+    }
+    assert progress_state(dump) == (2, 3)
+    assert pending(dump) == "broadcast #3 (started)"
+    assert progress_state({"entries": []}) == (-1, None)
