@@ -69,9 +69,9 @@ def parse_size(text: str, flag: str) -> int:
 def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "collective",
-        choices=COLLECTIVES,
+        choices=(*COLLECTIVES, "ddp"),
         metavar="COLLECTIVE",
-        help=f"one of: {', '.join(COLLECTIVES)}",
+        help=f"one of: {', '.join(COLLECTIVES)}; or ddp (training throughput and scaling)",
     )
     p.add_argument("-b", "--minbytes", default="32M", help="smallest size (default 32M)")
     p.add_argument("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
@@ -107,6 +107,23 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size (matplotlib)")
     p.add_argument(
         "--peak", default="auto", help="link peak in GB/s one-way, or auto (NVLink/PCIe via NVML)"
+    )
+    ddp = p.add_argument_group("ddp", "with `ddpkit bench ddp`")
+    ddp.add_argument(
+        "--model", help="gpt, resnet, tiny or MODULE:FACTORY (default: gpt on GPUs, tiny on CPU)"
+    )
+    ddp.add_argument("--gpus", help="rank counts, e.g. 1,2,4,8 (default: 1, 2, 4 ... all)")
+    ddp.add_argument("--batch", type=int, default=8, help="batch per rank (default 8)")
+    ddp.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    ddp.add_argument(
+        "--precision", help="bf16 (autocast) or fp32 (default: bf16 on GPUs, fp32 on CPU)"
+    )
+    ddp.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ddp.add_argument(
+        "--frameworks",
+        action="store_true",
+        help="also time Accelerate and Lightning Fabric (when installed), "
+        "interleaved in the same jobs",
     )
 
 

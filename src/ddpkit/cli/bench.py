@@ -18,6 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.collective == "ddp":
+        from ddpkit.bench import ddp
+
+        return ddp.run(args)
     from ddpkit.bench import options
     from ddpkit.cli.run import start
     from ddpkit.launch import config

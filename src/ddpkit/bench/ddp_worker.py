@@ -1,0 +1,178 @@
+"""One rank of `ddpkit bench ddp`: training steps of `s.wrap(model)` and of a hand-written
+`DistributedDataParallel(model)` interleaved step by step in the same job on the same GPU (so
+machine noise hits both alike), plus steps under `no_sync` for the exposed communication.
+Rank 0 prints one `DDPKIT_DDP_BENCH {json}` line.
+
+`python -m ddpkit.bench.ddp_worker CONFIG_JSON` (started by `ddpkit bench ddp` through the
+launcher)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpkit
+from ddpkit.bench.models import resolve
+
+
+def main(config_json: str) -> int:
+    cfg = json.loads(config_json)
+    with ddpkit.setup(seed=0) as s:
+        model, make_batch = resolve(cfg["model"])()
+        params = sum(p.numel() for p in model.parameters())
+        pristine = copy.deepcopy(model)
+        device_ids = [s.device.index] if s.device.type == "cuda" else None
+
+        def raw_ddp(**kwargs: Any) -> nn.Module:
+            return DistributedDataParallel(
+                copy.deepcopy(pristine).to(s.device), device_ids=device_ids, **kwargs
+            )
+
+        models = {"wrap": s.wrap(model, **cfg.get("ddp_kwargs", {})), "raw": raw_ddp()}
+        for name, kwargs in cfg.get("extra_ddp", {}).items():
+            models[name] = raw_ddp(**kwargs)
+        if cfg["compile"]:
+            models = {k: torch.compile(m) for k, m in models.items()}
+        variants = {k: _Trainer(m, s.device, cfg["precision"]) for k, m in models.items()}
+        unavailable = {}
+        for name, build in (("accelerate", _accelerate), ("fabric", _fabric)):
+            if name in cfg.get("frameworks", []):
+                try:
+                    variants[name] = build(copy.deepcopy(pristine), s, cfg["precision"])
+                except Exception as err:  # not installed, or it refused this set-up
+                    unavailable[name] = f"{type(err).__name__}: {err}"[:200]
+        x, y = make_batch(cfg["batch"], s.device)
+        for _ in range(cfg["warmup"]):
+            for trainer in variants.values():
+                trainer.step(x, y, sync=True)
+            variants["wrap"].step(x, y, sync=False)
+        names = [*variants, "no_sync"]
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for i in range(cfg["steps"]):
+            for name in names if i % 2 == 0 else reversed(names):  # alternate the order too
+                trainer = variants["wrap" if name == "no_sync" else name]
+                times[name].append(
+                    _timed(lambda t=trainer, n=name: t.step(x, y, sync=n != "no_sync"), s.device)
+                )
+        medians = {k: s.reduce(statistics.median(v), op="max") for k, v in times.items()}
+        spread = {k: s.reduce(_iqr(v), op="max") for k, v in times.items()}
+        peak = (
+            torch.cuda.max_memory_allocated(s.device) // 2**20 if s.device.type == "cuda" else None
+        )
+        tokens = x.numel() if x.dtype == torch.long else None
+        if s.is_main:
+            step = medians["wrap"]
+            print(
+                "DDPKIT_DDP_BENCH "
+                + json.dumps(
+                    {
+                        "ranks": s.world_size,
+                        "backend": s.backend,
+                        "params": params,
+                        "step_ms": step * 1e3,
+                        "step_iqr_ms": spread["wrap"] * 1e3,
+                        "raw_ddp_step_ms": medians["raw"] * 1e3,
+                        "no_sync_step_ms": medians["no_sync"] * 1e3,
+                        "exposed_comm_ms": max(0.0, (step - medians["no_sync"]) * 1e3)
+                        if s.world_size > 1
+                        else 0.0,
+                        "wrap_over_raw": step / medians["raw"],
+                        "samples_per_s": cfg["batch"] * s.world_size / step,
+                        "tokens_per_s": tokens * s.world_size / step if tokens else None,
+                        "peak_mib": peak,
+                        "wrapped_as": type(models["wrap"]).__name__,
+                        "variants": {
+                            k: {
+                                "step_ms": medians[k] * 1e3,
+                                "iqr_ms": spread[k] * 1e3,
+                                "over_raw": medians[k] / medians["raw"],
+                            }
+                            for k in variants
+                        },
+                        "unavailable": unavailable,
+                    }
+                ),
+                flush=True,
+            )
+    return 0
+
+
+class _Trainer:
+    def __init__(self, model: nn.Module, device: torch.device, precision: str) -> None:
+        self.model: Any = model
+        self.backward: Any = None
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.device = device
+        self.bf16 = precision == "bf16"
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> None:
+        no_sync = getattr(self.model, "no_sync", None)
+        skip = no_sync() if (not sync and no_sync is not None) else contextlib.nullcontext()
+        with skip:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                loss = nn.functional.cross_entropy(self.model(x), y)
+            if self.backward is not None:
+                self.backward(loss)
+            else:
+                loss.backward()
+        if sync:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _accelerate(model: nn.Module, s: Any, precision: str) -> _Trainer:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no")
+    trainer = _Trainer(model.to(s.device), s.device, "fp32")  # autocast is Accelerate's
+    trainer.model, trainer.opt = accelerator.prepare(trainer.model, trainer.opt)
+    return trainer
+
+
+def _fabric(model: nn.Module, s: Any, precision: str) -> _Trainer:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(
+        accelerator=s.device.type,
+        devices=s.env.local_world_size,
+        num_nodes=s.env.nnodes,
+        strategy="ddp" if s.world_size > 1 else "auto",
+        precision="bf16-mixed" if precision == "bf16" else "32-true",
+    )
+    fabric.launch()  # started by ddpkit run: Fabric joins the existing group
+    trainer = _Trainer(model, s.device, "fp32")  # autocast is Fabric's
+    trainer.model, trainer.opt = fabric.setup(trainer.model, trainer.opt)
+    trainer.backward = fabric.backward
+    return trainer
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds for one step, device work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
+
+
+def _iqr(values: list[float]) -> float:
+    if len(values) < 4:
+        return max(values) - min(values)
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
