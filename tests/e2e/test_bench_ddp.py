@@ -25,6 +25,8 @@ FIELDS = {
     "peak_mib",
     "wrapped_as",
     "efficiency",
+    "variants",
+    "unavailable",
 }
 
 
