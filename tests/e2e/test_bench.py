@@ -62,7 +62,9 @@ def test_every_collective_runs_checks_and_obeys_the_formulas(collective):
         assert size == expected_size
         for time, algbw, busbw in ((r[5], r[6], r[7]), (r[9], r[10], r[11])):
             assert float(algbw) == pytest.approx(size / float(time) / 1e3, abs=0.006)
-            assert float(busbw) == pytest.approx(float(algbw) * BUS[collective](n), abs=0.006)
+            assert float(busbw) == pytest.approx(
+                float(algbw) * BUS[collective](n), abs=0.005 * (1 + BUS[collective](n)) + 1e-9
+            )
         assert r[8] == "0"
         assert r[12] in ("0", "N/A")
     assert f"# Collective test concluded: {collective}_perf" in out.stdout
