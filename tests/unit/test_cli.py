@@ -30,7 +30,10 @@ def test_version_answers():
     assert out.stdout.strip() == f"ddpkit {__version__}"
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"], ["ps", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["--version"], *([c, "--help"] for c in COMMANDS)],
+)
 def test_help_and_version_never_import_torch(args):
     out = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "ddpkit", *args],
