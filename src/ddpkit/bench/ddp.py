@@ -11,8 +11,6 @@ the two interleaved step by step in the same job.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
 
 from ddpkit.errors import ConfigError, LaunchError
@@ -116,36 +114,34 @@ def run(args: Any) -> int:
 
 
 def _one_job(n: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "run",
-        "-n",
-        str(n),
-        "--ranks",
-        "0",
-        "--hang-timeout",
-        "0",
-        "-m",
-        "ddpkit.bench.ddp_worker",
-        json.dumps(cfg),
-    ]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND)
-    except subprocess.TimeoutExpired:
+    from ddpkit.launch.subjob import run_job
+
+    job = run_job(
+        [
+            "-n",
+            str(n),
+            "--ranks",
+            "0",
+            "--hang-timeout",
+            "0",
+            "-m",
+            "ddpkit.bench.ddp_worker",
+            json.dumps(cfg),
+        ],
+        "DDPKIT_DDP_BENCH",
+        BOUND,
+    )
+    if job.exit_code is None:
         raise LaunchError(
             f"the {n}-rank job did not finish in {BOUND} s",
             fix="use fewer --steps or a smaller --batch",
-        ) from None
-    line = next((x for x in out.stdout.splitlines() if "DDPKIT_DDP_BENCH " in x), None)
-    if out.returncode != 0 or line is None:
-        tail = "\n".join((out.stdout + out.stderr).splitlines()[-12:])
+        )
+    if not job.ok or job.result is None:
         raise LaunchError(
-            f"the {n}-rank job failed (exit {out.returncode}):\n{tail}",
+            f"the {n}-rank job failed (exit {job.exit_code}):\n{job.output}",
             fix="see the output above; `ddpkit doctor` checks the machine",
         )
-    return dict(json.loads(line.split("DDPKIT_DDP_BENCH ", 1)[1]))
+    return job.result
 
 
 def _plot(path: str, model: str, rows: list[dict[str, Any]]) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 SMOKE_BOUND = 180  # seconds: the smoke test never takes longer, hung or not
@@ -67,50 +65,45 @@ def run(args: argparse.Namespace) -> int:
 
 def smoke_test(gpus: int) -> dict[str, Any]:
     """All-reduce across every local GPU (or 2 CPU ranks) through ddpkit run, bounded."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "run",
-        "-n",
-        "gpu" if gpus else "cpu",
-        "--init-timeout",
-        "60",
-        "--hang-timeout",
-        "30",
-        "--grace",
-        "2",
-        "--ranks",
-        "0",
-        "-m",
-        "ddpkit.doctor.smoke",
-    ]
-    try:
-        out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=SMOKE_BOUND, start_new_session=False
-        )
-    except subprocess.TimeoutExpired as err:
-        seen = (err.stderr or b"")[-800:]
+    from ddpkit.launch.subjob import run_job
+
+    job = run_job(
+        [
+            "-n",
+            "gpu" if gpus else "cpu",
+            "--init-timeout",
+            "60",
+            "--hang-timeout",
+            "30",
+            "--grace",
+            "2",
+            "--ranks",
+            "0",
+            "-m",
+            "ddpkit.doctor.smoke",
+        ],
+        "DDPKIT_SMOKE",
+        SMOKE_BOUND,
+    )
+    if job.exit_code is None:
         return {
             "ok": False,
             "what": f"the smoke test did not finish in {SMOKE_BOUND} s",
-            "output": seen.decode(errors="replace") if isinstance(seen, bytes) else seen,
+            "output": job.output,
         }
-    line = next((x for x in out.stdout.splitlines() if "DDPKIT_SMOKE " in x), None)
-    if out.returncode != 0 or line is None:
+    if not job.ok or job.result is None:
         return {
             "ok": False,
-            "what": f"the smoke test failed (exit {out.returncode})",
-            "output": (out.stdout + out.stderr)[-1500:],
+            "what": f"the smoke test failed (exit {job.exit_code})",
+            "output": job.output,
         }
-    result = json.loads(line.split("DDPKIT_SMOKE ", 1)[1])
-    if result["wrong"]:
+    if job.result["wrong"]:
         return {
             "ok": False,
-            "what": f"all_reduce gave {result['wrong']} wrong element(s)",
-            **result,
+            "what": f"all_reduce gave {job.result['wrong']} wrong element(s)",
+            **job.result,
         }
-    return {"ok": True, **result}
+    return {"ok": True, **job.result}
 
 
 def render(

@@ -1,0 +1,40 @@
+"""Run a ddpkit job as a child process and read the one JSON result line rank 0 prints.
+
+Used by `ddpkit doctor` (its smoke test) and `ddpkit bench ddp` (one job per GPU count): the
+job runs through `ddpkit run`, so it inherits every guarantee of the launcher; this adds a hard
+bound on the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class JobResult:
+    result: dict[str, Any] | None  # the JSON after the marker, when the job printed it
+    exit_code: int | None  # None: stopped at the bound
+    output: str  # the last lines of stdout and stderr, for an error message
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.result is not None
+
+
+def run_job(run_args: list[str], marker: str, bound: float) -> JobResult:
+    """`ddpkit run RUN_ARGS`, at most `bound` seconds; rank 0's `MARKER {json}` line."""
+    cmd = [sys.executable, "-m", "ddpkit", "run", *run_args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=bound)
+    except subprocess.TimeoutExpired as err:
+        seen = err.stderr or ""
+        text = seen.decode(errors="replace") if isinstance(seen, bytes) else seen
+        return JobResult(None, None, text[-1500:])
+    line = next((x for x in out.stdout.splitlines() if f"{marker} " in x), None)
+    result = json.loads(line.split(f"{marker} ", 1)[1]) if line else None
+    tail = "\n".join((out.stdout + out.stderr).splitlines()[-15:])
+    return JobResult(result, out.returncode, tail)
