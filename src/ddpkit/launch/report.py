@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,7 @@ class Outcome:
     interrupted: bool = False
     root_rank: int | None = None
     text: str = ""
-    failed: list[Any] = field(default_factory=list)
     details: str = ""
-    error_times: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def success(cls) -> Outcome:
@@ -104,7 +102,6 @@ class Outcome:
             exit_code=exit_code_of(root.exit_code),
             summary=summary,
             root_rank=root.rank,
-            failed=failed,
         )
 
     def finalize(self, workers: list[Any], run_dir: Path, state_dir: Path) -> None:

@@ -44,7 +44,6 @@ class Worker:
     local_rank: int
     proc: subprocess.Popen[bytes]
     output: RankOutput
-    started: float
     exit_code: int | None = None
     ended_wall: float = 0.0
     stopped: bool = False  # ended by the launcher's teardown, not by itself
@@ -223,7 +222,7 @@ def _start_worker(
     if proc.stdout is None or proc.stderr is None:
         raise RuntimeError("worker pipes missing")
     output.start(proc.stdout, proc.stderr)
-    return Worker(rank, local_rank, proc, output, started=time.monotonic())
+    return Worker(rank, local_rank, proc, output)
 
 
 def _serve_store(sock: Any, addr: str, port: int, timeout: float) -> Any:
