@@ -48,6 +48,21 @@ class Step:
     sync: bool
 
 
+def _buffers_are_batchnorm_statistics(model: nn.Module) -> bool:
+    """True when the model has buffers and every one is a BatchNorm running statistic. Then
+    DDP's per-forward broadcast of them from rank 0 can go: training uses batch statistics,
+    and rank 0 (the broadcast's source, whose state is saved) holds the same values either
+    way; only the other ranks keep their own running averages instead of rank 0's."""
+    norm_buffers = {
+        id(b)
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for b in m.buffers(recurse=False)
+    }
+    buffers = list(model.buffers())
+    return bool(buffers) and all(id(b) in norm_buffers for b in buffers)
+
+
 class Session:
     """This process's place in the job and the helpers that depend on it."""
 
@@ -103,12 +118,19 @@ class Session:
                 f"wrap(compress={compress!r}) is not 'bf16', 'fp16' or None",
                 fix="use compress='bf16' for slow links, or leave it out",
             )
+        if compress == "bf16" and self.world_size > 1 and self.backend != "nccl":
+            raise ConfigError(
+                f"wrap(compress='bf16') needs the nccl backend; this job uses {self.backend}",
+                fix="use compress='fp16' on gloo, or run on GPUs with NCCL",
+            )
         model = model.to(self.device)
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             for option, value in WRAP_DEFAULTS.items():
                 ddp_kwargs.setdefault(option, value)
+            if _buffers_are_batchnorm_statistics(model):
+                ddp_kwargs.setdefault("broadcast_buffers", False)
             if self.device.type == "cuda":
                 ddp_kwargs.setdefault("device_ids", [self.device.index])
                 ddp_kwargs.setdefault("output_device", self.device.index)

@@ -166,6 +166,8 @@ def _plot(path: str, model: str, rows: list[dict[str, Any]]) -> None:
     left.set_ylabel("samples/s")
     left.legend()
     right.plot(ranks, [r["efficiency"] for r in rows], marker="o")
+    for axes in (left, right):
+        axes.set_xticks(ranks)
     right.set_ylim(0, 1.05)
     right.set_xlabel("ranks")
     right.set_ylabel("weak-scaling efficiency")

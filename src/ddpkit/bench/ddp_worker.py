@@ -125,8 +125,7 @@ class _Trainer:
                 self.backward(loss)
             else:
                 loss.backward()
-        if sync:
-            self.opt.step()
+        self.opt.step()  # under no_sync too: exposed comm compares the same work
         self.opt.zero_grad(set_to_none=True)
 
 
