@@ -33,8 +33,10 @@ from ddpkit.seeding import seed_everything
 DEFAULT_INIT_TIMEOUT = 300.0
 # DDP options s.wrap sets unless given, each from benchmarks/RESULTS.md (2 H200s, GPT-2-small
 # shape, bf16): bigger buckets cut step time 6.9% (fewer, fuller NCCL calls); gradients as
-# views of the buckets save a copy and a gradient's worth of memory (1.1%). static_graph
-# gained nothing and is unsafe for models whose graph changes, so it stays off.
+# views of the buckets save a copy and a gradient's worth of memory (1.1%); 50-400 MB buckets
+# tie, 25 MB (torch's) is 3-6% slower. static_graph gained nothing and is unsafe for models
+# whose graph changes, so it stays off. broadcast_buffers=False is added only for models whose
+# buffers are all BatchNorm statistics (-9.5% on a ResNet-50 shape; docs/bench-ddp.md).
 WRAP_DEFAULTS = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
 BACKENDS = ("auto", "nccl", "gloo")
 
