@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
+from ddpkit.bench.busy import is_kernel, union_us
 from ddpkit.bench.models import resolve
 
 
@@ -45,17 +46,6 @@ def _no_comm_hook(state, bucket):  # noqa: ANN001 (DDP checks the annotations: n
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
-
-
-def _is_kernel(ev: Any) -> bool:
-    """Kernels and copies on the GPU; not the user annotations the profiler also puts there
-    (DistributedDataParallel.forward, nccl:all_reduce, Optimizer.step#...)."""
-    if ev.device_type != torch.autograd.DeviceType.CUDA or not ev.time_range:
-        return False
-    return not (
-        ev.name.startswith(("nccl:", "Optimizer.", "ProfilerStep"))
-        or "DistributedDataParallel" in ev.name
-    )
 
 
 def _kind(name: str) -> str:
@@ -174,17 +164,17 @@ def main() -> None:
             kernels: dict[str, float] = defaultdict(float)
             spans = []
             for ev in prof.events():
-                if _is_kernel(ev):
+                if is_kernel(ev):
                     dur = ev.time_range.end - ev.time_range.start
                     kinds[_kind(ev.name)] += dur / steps_profiled / 1e3
                     kernels[ev.name[:90]] += dur / steps_profiled / 1e3
                     spans.append((ev.time_range.start, ev.time_range.end))
-            busy = _union(spans) / steps_profiled / 1e3
-            compute = _union(
+            busy = union_us(spans) / steps_profiled / 1e3
+            compute = union_us(
                 [
                     (ev.time_range.start, ev.time_range.end)
                     for ev in prof.events()
-                    if _is_kernel(ev) and "nccl" not in ev.name.lower()
+                    if is_kernel(ev) and "nccl" not in ev.name.lower()
                 ]
             )
             profile[n] = {
@@ -278,16 +268,6 @@ def _bind_near(index: int) -> None:
     print(f"rank on GPU {index} ({bus}): local cpus {text}; pinned to {len(allowed)}", flush=True)
     if allowed:
         os.sched_setaffinity(0, allowed)
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
 
 
 def _iqr(values: list[float]) -> float:

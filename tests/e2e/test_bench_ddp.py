@@ -23,6 +23,7 @@ FIELDS = {
     "samples_per_s",
     "tokens_per_s",
     "peak_mib",
+    "gpu_busy",
     "wrapped_as",
     "efficiency",
     "variants",

@@ -125,3 +125,34 @@ def test_a_failing_gpu_rank_is_reported_with_its_traceback(tmp_path):
     assert job.finish(120) == 1
     assert "root cause: rank 0 exited with code 1 (RuntimeError: planted failure" in job.stderr
     assert not job.survivors()
+
+
+def test_bench_ddp_says_how_busy_the_gpu_is_and_when_the_host_sets_the_pace(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "bench",
+            "ddp",
+            "--model",
+            "tiny",
+            "--gpus",
+            "1",
+            "--steps",
+            "10",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr
+    import json
+
+    busy = json.loads((tmp_path / "r.json").read_text())["rows"][0]["gpu_busy"]
+    print(f"tiny model, 1 GPU: GPU busy {busy:.2f} of the step")
+    assert 0 < busy <= 1
+    assert busy < 0.9, "a 3-layer MLP at batch 8 cannot keep an H200 busy"
+    assert "the host sets the pace" in out.stdout

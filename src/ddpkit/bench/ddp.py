@@ -5,7 +5,8 @@ launcher.
 efficiency(N) = throughput(N) / (N x throughput(1)) with a fixed per-GPU batch; exposed
 communication = median step time with gradient sync minus under no_sync (what the overlap
 failed to hide); wrap/raw = median step of `s.wrap(model)` / of `DistributedDataParallel(model)`,
-the two interleaved step by step in the same job.
+the two interleaved step by step in the same job; GPU busy = the fraction of s.wrap's step
+with a compute kernel running (torch.profiler; `ddpkit.bench.busy`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ddpkit.errors import ConfigError, LaunchError
 from ddpkit.gpus import visible_gpu_count
 
 BOUND = 600  # seconds one GPU count may take
+HOST_BOUND = 0.9  # below this GPU-busy fraction of the step, say the host sets the pace
 
 
 def parse_counts(text: str | None, gpus: int) -> list[int]:
@@ -77,7 +79,7 @@ def run(args: Any) -> int:
     )
     print(
         f"# {'ranks':>5} {'step ms':>9} {'IQR':>6} {'samples/s':>10} {'tokens/s':>10} "
-        f"{'efficiency':>10} {'exposed ms':>10} {'peak MiB':>9} {'wrap/raw':>8}",
+        f"{'efficiency':>10} {'exposed ms':>10} {'peak MiB':>9} {'wrap/raw':>8} {'GPU busy':>8}",
         flush=True,
     )
     rows = []
@@ -89,10 +91,11 @@ def run(args: Any) -> int:
         rows.append(row)
         tokens = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
         peak = str(row["peak_mib"]) if row["peak_mib"] is not None else "-"
+        busy = f"{row['gpu_busy']:.2f}" if row["gpu_busy"] is not None else "-"
         print(
             f"  {n:>5} {row['step_ms']:9.2f} {row['step_iqr_ms']:6.2f} "
             f"{row['samples_per_s']:10.1f} {tokens:>10} {row['efficiency']:10.3f} "
-            f"{row['exposed_comm_ms']:10.2f} {peak:>9} {row['wrap_over_raw']:8.3f}",
+            f"{row['exposed_comm_ms']:10.2f} {peak:>9} {row['wrap_over_raw']:8.3f} {busy:>8}",
             flush=True,
         )
     for row in rows:
@@ -103,6 +106,16 @@ def run(args: Any) -> int:
         print(
             f"# {row['ranks']} rank(s), step time / raw DDP's: wrap {row['wrap_over_raw']:.3f}, "
             f"{others}{missing}",
+            flush=True,
+        )
+    host_bound = [r for r in rows if r["gpu_busy"] is not None and r["gpu_busy"] < HOST_BOUND]
+    if host_bound:
+        worst = min(host_bound, key=lambda r: r["gpu_busy"])
+        print(
+            f"# the GPU computes only {worst['gpu_busy']:.0%} of the step at {worst['ranks']} "
+            "rank(s): the host sets the pace, and a synchronous step waits for the slowest "
+            "rank's host; a larger --batch per GPU shows the scaling of GPU-bound steps "
+            "(docs/bench-ddp.md)",
             flush=True,
         )
     if args.json:

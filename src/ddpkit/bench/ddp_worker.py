@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
+from ddpkit.bench.busy import compute_seconds_per_step
 from ddpkit.bench.models import resolve
 
 
@@ -64,6 +65,11 @@ def main(config_json: str) -> int:
                 times[name].append(
                     _timed(lambda t=trainer, n=name: t.step(x, y, sync=n != "no_sync"), s.device)
                 )
+        busy = None
+        if s.device.type == "cuda":
+            kernels = compute_seconds_per_step(lambda: variants["wrap"].step(x, y, sync=True))
+            if kernels is not None:
+                busy = s.reduce(kernels / statistics.median(times["wrap"]), op="min")
         medians = {k: s.reduce(statistics.median(v), op="max") for k, v in times.items()}
         spread = {k: s.reduce(_iqr(v), op="max") for k, v in times.items()}
         peak = (
@@ -90,6 +96,7 @@ def main(config_json: str) -> int:
                         "samples_per_s": cfg["batch"] * s.world_size / step,
                         "tokens_per_s": tokens * s.world_size / step if tokens else None,
                         "peak_mib": peak,
+                        "gpu_busy": busy,
                         "wrapped_as": type(models["wrap"]).__name__,
                         "variants": {
                             k: {
