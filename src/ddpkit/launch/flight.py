@@ -58,7 +58,8 @@ def serve(state_dir: str, rank: str) -> None:
 def dump(full: bool = True) -> bytes:
     """This process's flight-recorder dump (pickled), without per-collective stack traces,
     which are slow to symbolise and which the hang doctor takes from faulthandler instead.
-    full=False leaves out the collectives too: the process groups' status alone."""
+    full=False leaves out the collectives too: the process groups' status alone, or the full
+    dump where this torch's recorder keeps no such status (progress then comes from entries)."""
     from torch._C import _distributed_c10d as c10d
 
     for name in ("_dump_nccl_trace", "_dump_fr_trace"):
@@ -66,9 +67,12 @@ def dump(full: bool = True) -> bytes:
         if fn is None:
             continue
         try:
-            return bytes(fn(includeCollectives=full, includeStackTraces=False, onlyActive=False))
+            data = bytes(fn(includeCollectives=full, includeStackTraces=False, onlyActive=False))
         except TypeError:  # an older signature
             return bytes(fn())
+        if full or b"pg_status" in data:
+            return data
+        return dump(full=True)
     raise RuntimeError("this torch has no flight recorder dump")
 
 
