@@ -1,0 +1,94 @@
+"""The flight-recorder status the hang watch polls, from a real process group (gloo keeps the
+same recorder as NCCL in the torch CI installs)."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+
+from tests.dist.harness import run_ranks
+
+torch = pytest.importorskip("torch")
+RING = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+
+
+def _dumps(rank, world, tmp):
+    import torch.distributed as dist
+
+    import ddpkit
+    from ddpkit.launch import flight
+
+    with ddpkit.setup() as s:
+        for _ in range(7):
+            dist.all_reduce(torch.ones(4))
+        s.barrier()
+        try:
+            for _ in range(50):  # the recorder marks completion from another thread
+                status = pickle.loads(flight.dump(full=False))
+                if flight.progress_state(status)[1] is None:
+                    break
+                time.sleep(0.1)
+            full = pickle.loads(flight.dump())
+        except RuntimeError:
+            return None
+        return status, full, flight.progress_state(status)
+
+
+def test_the_status_poll_carries_progress_without_the_collectives(tmp_path):
+    results = run_ranks(_dumps, 2, tmp_path, env=RING)
+    if results[0] is None or "pg_status" not in results[0][0]:
+        pytest.skip("this torch's recorder has no process-group status")
+    for status, full, (completed, waiting) in results:
+        assert "entries" not in status
+        assert len(full["entries"]) >= 7
+        assert completed >= 7
+        assert waiting is None
+
+
+def test_a_collective_enqueued_but_not_completed_is_pending():
+    from ddpkit.launch.flight import progress_state
+
+    status = {
+        "pg_status": {
+            "0": {"last_enqueued_collective": 12, "last_completed_collective": 11},
+            "1": {"last_enqueued_collective": 3, "last_completed_collective": 3},
+        }
+    }
+    assert progress_state(status) == (14, (("0", 12),))
+
+
+def _served(rank, world, tmp):
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import ddpkit
+    from ddpkit.launch import flight
+
+    with ddpkit.setup() as s:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(4))
+        state = Path(tmp)
+        flight.serve(str(state), str(rank))  # as bootstrap does once an NCCL group exists
+        flight.ask(state, rank)
+        answer = None
+        for _ in range(100):
+            answer = flight.answer(state, rank)
+            if answer is not None:
+                break
+            time.sleep(0.1)
+        full = flight.request([rank], state).get(rank)
+        s.barrier()
+        return answer, full
+
+
+def test_the_watch_asks_for_status_and_the_report_for_the_collectives(tmp_path):
+    results = run_ranks(_served, 2, tmp_path, env=RING)
+    for answer, full in results:
+        assert answer is not None, "the rank's thread did not answer within 10 s"
+        if "pg_status" not in answer:
+            pytest.skip("this torch's recorder has no process-group status")
+        assert "entries" not in answer
+        assert len(full["entries"]) >= 3
