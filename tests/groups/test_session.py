@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist.harness import RankError, run_ranks
+from tests.groups.harness import RankError, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +28,8 @@ def test_reduce_returns_same_structure_on_every_rank(tmp_path):
     results = run_ranks(_reduce_uneven, 3, tmp_path)
     assert results[0]["sum"]["loss"] == 6.0
     assert results[0]["mean"]["loss"] == 2.0
-    assert results[0]["max"]["count"] == 20 and isinstance(results[0]["max"]["count"], int)
+    assert results[0]["max"]["count"] == 20
+    assert isinstance(results[0]["max"]["count"], int)
     assert results[0]["min"]["vec"].tolist() == [0.0, 0.0, 0.0]
     assert results[0]["mean"]["vec"].tolist() == [1.0, 1.0, 1.0]
     assert all(r["sum"]["loss"] == results[0]["sum"]["loss"] for r in results)
@@ -112,7 +113,7 @@ def _accumulate(rank, world, tmp):
 
         model.register_comm_hook(None, counting_hook)
         syncs = []
-        for step in range(6):
+        for _step in range(6):
             with s.accumulate(model, every=3) as st:
                 model(torch.randn(2, 4) + rank).sum().backward()
             syncs.append(st.sync)
@@ -139,7 +140,8 @@ def _wrap_grads(rank, world, tmp):
 
 def test_wrap_gives_ddp_whose_gradients_agree_across_ranks(tmp_path):
     (kind0, inner0, g0), (_, _, g1) = run_ranks(_wrap_grads, 2, tmp_path)
-    assert kind0 == "DistributedDataParallel" and inner0 == "Linear"
+    assert kind0 == "DistributedDataParallel"
+    assert inner0 == "Linear"
     assert torch.equal(g0, g1)
 
 
@@ -175,7 +177,8 @@ def _missing_rank(rank, world, tmp):
 def test_init_names_the_rank_that_never_arrived_within_the_timeout(tmp_path):
     results = run_ranks(_missing_rank, 3, tmp_path, timeout=60)
     for message, fix, waited in results[:2]:
-        assert "2 of 3 ranks arrived" in message and "missing: rank 2" in message
+        assert "2 of 3 ranks arrived" in message
+        assert "missing: rank 2" in message
         assert fix
         assert waited < 30
 
@@ -220,7 +223,8 @@ def _clean_env() -> dict[str, str]:
 
 def test_plain_python_runs_as_one_process_without_blocking():
     code = ("import ddpkit, torch\ns = ddpkit.setup()\n"
-            "print(s.world_size, s.backend, s.reduce(2.0), s.wrap(torch.nn.Linear(2, 2)).__class__.__name__)")
+            "print(s.world_size, s.backend, s.reduce(2.0),\n"
+            "      s.wrap(torch.nn.Linear(2, 2)).__class__.__name__)")
     out = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr

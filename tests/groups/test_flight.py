@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.dist.harness import run_ranks
+from tests.groups.harness import run_ranks
 
 torch = pytest.importorskip("torch")
 RING = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}

@@ -12,10 +12,11 @@ import multiprocessing as mp
 import os
 import pickle
 import traceback
-from datetime import timedelta
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -31,7 +32,7 @@ def _context() -> Any:
     return _ctx
 
 
-class RankFailed(AssertionError):
+class RankFailedError(AssertionError):
     pass
 
 
@@ -89,16 +90,16 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any,
             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not left, f"rank processes survived: {left}"
     if hung:
-        raise RankFailed(f"ranks {hung} did not finish within {timeout} s")
+        raise RankFailedError(f"ranks {hung} did not finish within {timeout} s")
     results = []
     for r in range(world):
         result_file = tmp / f"result{r}.pkl"
         if not result_file.exists():
             stderr = (tmp / f"stderr{r}.txt").read_text()[-3000:]
-            raise RankFailed(f"rank {r} died (exit code {procs[r].exitcode}) before reporting:"
+            raise RankFailedError(f"rank {r} died (exit code {procs[r].exitcode}) before reporting:"
                              f"\n{stderr}")
         status, value = pickle.loads(result_file.read_bytes())
         if status == "error" and not expect_errors:
-            raise RankFailed(f"rank {r} raised {value[0]}: {value[1]}\n{value[2]}")
+            raise RankFailedError(f"rank {r} raised {value[0]}: {value[1]}\n{value[2]}")
         results.append(RankError(*value[:2]) if status == "error" else value)
     return results
