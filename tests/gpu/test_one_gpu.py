@@ -3,6 +3,7 @@ guarantees with NCCL ranks. Run with `python -m pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -149,8 +150,6 @@ def test_bench_ddp_says_how_busy_the_gpu_is_and_when_the_host_sets_the_pace(tmp_
         timeout=280,
     )
     assert out.returncode == 0, out.stderr
-    import json
-
     busy = json.loads((tmp_path / "r.json").read_text())["rows"][0]["gpu_busy"]
     print(f"tiny model, 1 GPU: GPU busy {busy:.2f} of the step")
     assert 0 < busy <= 1

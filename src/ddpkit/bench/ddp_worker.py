@@ -68,8 +68,7 @@ def main(config_json: str) -> int:
         busy = None
         if s.device.type == "cuda":
             kernels = compute_seconds_per_step(lambda: variants["wrap"].step(x, y, sync=True))
-            if kernels is not None:
-                busy = s.reduce(kernels / statistics.median(times["wrap"]), op="min")
+            busy = s.reduce(kernels / statistics.median(times["wrap"]), op="min")
         medians = {k: s.reduce(statistics.median(v), op="max") for k, v in times.items()}
         spread = {k: s.reduce(_iqr(v), op="max") for k, v in times.items()}
         peak = (
