@@ -21,14 +21,21 @@ def anchor_rows(path: Path) -> dict[int, dict[str, float]]:
         if not line.strip() or line.startswith("#"):
             continue
         f = line.split()
-        rows[int(f[0])] = {"oop_time": float(f[5]), "oop_busbw": float(f[7]),
-                           "ip_time": float(f[9]), "ip_busbw": float(f[11])}
+        rows[int(f[0])] = {
+            "oop_time": float(f[5]),
+            "oop_busbw": float(f[7]),
+            "ip_time": float(f[9]),
+            "ip_busbw": float(f[11]),
+        }
     return rows
 
 
 def main(results: Path, anchors: Path) -> None:
-    print(f"{'run':<22} {'place':<5} " + " ".join(f"{k + ' busbw':>22}" for k in SIZES)
-          + f" {'smallest: time us':>24}")
+    print(
+        f"{'run':<22} {'place':<5} "
+        + " ".join(f"{k + ' busbw':>22}" for k in SIZES)
+        + f" {'smallest: time us':>24}"
+    )
     for result in sorted(results.glob("*.json")):
         anchor = anchors / f"nt_{result.stem}.txt"
         if not anchor.exists():
@@ -38,16 +45,21 @@ def main(results: Path, anchors: Path) -> None:
         for place in ("oop", "ip"):
             cells = []
             for size in SIZES.values():
-                a, b = ours.get(size, {}).get(place, {}).get("busbw"), \
-                    theirs.get(size, {}).get(f"{place}_busbw")
+                a, b = (
+                    ours.get(size, {}).get(place, {}).get("busbw"),
+                    theirs.get(size, {}).get(f"{place}_busbw"),
+                )
                 cells.append(f"{a:7.1f}/{b:7.1f}={a / b:5.2f}" if a and b else f"{'-':>22}")
             smallest = min(set(ours) & set(theirs)) if set(ours) & set(theirs) else None
             tail = "-"
             if smallest is not None:
                 a, b = ours[smallest][place]["time_us"], theirs[smallest][f"{place}_time"]
                 tail = f"{smallest}B {a:6.2f}/{b:6.2f}={a / b:5.2f}"
-            print(f"{result.stem:<22} {place:<5} " + " ".join(f"{c:>22}" for c in cells)
-                  + f" {tail:>24}")
+            print(
+                f"{result.stem:<22} {place:<5} "
+                + " ".join(f"{c:>22}" for c in cells)
+                + f" {tail:>24}"
+            )
 
 
 if __name__ == "__main__":

@@ -34,20 +34,46 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "."))
     results = []
     for n in [int(r) for r in args.ranks.split(",")]:
-        cfg = {"model": args.model, "batch": args.batch, "steps": args.steps, "warmup": 3,
-               "precision": "bf16", "compile": False, "extra_ddp": CANDIDATES,
-               "frameworks": ["accelerate", "fabric"]}
-        run = subprocess.run([sys.executable, "-m", "ddpkit", "run", "-n", str(n), "--ranks",
-                              "0", "--hang-timeout", "0", "-m", "ddpkit.bench.ddp_worker",
-                              json.dumps(cfg)], capture_output=True, text=True, timeout=560)
+        cfg = {
+            "model": args.model,
+            "batch": args.batch,
+            "steps": args.steps,
+            "warmup": 3,
+            "precision": "bf16",
+            "compile": False,
+            "extra_ddp": CANDIDATES,
+            "frameworks": ["accelerate", "fabric"],
+        }
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ddpkit",
+                "run",
+                "-n",
+                str(n),
+                "--ranks",
+                "0",
+                "--hang-timeout",
+                "0",
+                "-m",
+                "ddpkit.bench.ddp_worker",
+                json.dumps(cfg),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=560,
+        )
         line = next((x for x in run.stdout.splitlines() if "DDPKIT_DDP_BENCH " in x), None)
         if line is None:
             print(f"{n} rank(s): failed\n{run.stdout[-1500:]}\n{run.stderr[-1500:]}")
             continue
         row = json.loads(line.split("DDPKIT_DDP_BENCH ", 1)[1])
         results.append(row)
-        print(f"\n{n} rank(s), {args.model}, batch {args.batch}/rank, bf16: raw DDP "
-              f"{row['raw_ddp_step_ms']:.2f} ms/step; exposed comm {row['exposed_comm_ms']:.2f} ms")
+        print(
+            f"\n{n} rank(s), {args.model}, batch {args.batch}/rank, bf16: raw DDP "
+            f"{row['raw_ddp_step_ms']:.2f} ms/step; exposed comm {row['exposed_comm_ms']:.2f} ms"
+        )
         print(f"  {'variant':<24} {'step ms':>8} {'IQR':>6} {'/ raw':>7}")
         for name, v in row["variants"].items():
             print(f"  {name:<24} {v['step_ms']:8.2f} {v['iqr_ms']:6.2f} {v['over_raw']:7.3f}")

@@ -44,10 +44,27 @@ dist.destroy_process_group()
 
 def launcher(kind: str, script: Path, extra: list[str] | None = None) -> list[str]:
     if kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", str(script)]
-    return [sys.executable, "-m", "ddpkit", "run", "-n", "2", "--grace", "5", *(extra or []),
-            str(script)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "-n",
+        "2",
+        "--grace",
+        "5",
+        *(extra or []),
+        str(script),
+    ]
 
 
 def job_processes(token: str) -> list[psutil.Process]:
@@ -64,10 +81,15 @@ def job_processes(token: str) -> list[psutil.Process]:
 def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     token = uuid.uuid4().hex
     # CPU ranks for both launchers, also on a GPU machine (the scripts use gloo)
-    env = {**os.environ, "BENCH_TOKEN": token, "PYTHONUNBUFFERED": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            text=True, start_new_session=True)
+    env = {**os.environ, "BENCH_TOKEN": token, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
     return proc, token
 
 
@@ -138,15 +160,23 @@ def main() -> None:
     failures = {k: exit_failures(k, scripts["ddp"], args.exit_runs) for k in kinds}
     print(f"\n{args.runs} alternating runs each; median seconds (min-max)")
     print(f"{'measure':<34} {'ddpkit run':>18} {'torchrun':>18} {'ratio':>7}")
-    for measure, label in (("startup", "start -> first user line"),
-                           ("ctrl_c", "Ctrl+C (rank in init) -> all dead")):
+    for measure, label in (
+        ("startup", "start -> first user line"),
+        ("ctrl_c", "Ctrl+C (rank in init) -> all dead"),
+    ):
         med = {k: statistics.median(results[k][measure]) for k in kinds}
-        span = {k: f"{med[k]:.2f} ({min(results[k][measure]):.2f}-"
-                   f"{max(results[k][measure]):.2f})" for k in kinds}
-        print(f"{label:<34} {span['ddpkit']:>18} {span['torchrun']:>18} "
-              f"{med['ddpkit'] / med['torchrun']:>7.2f}")
-    print(f"{'2-rank DDP runs exiting non-zero':<34} {failures['ddpkit']:>15}/{args.exit_runs} "
-          f"{failures['torchrun']:>15}/{args.exit_runs}")
+        span = {
+            k: f"{med[k]:.2f} ({min(results[k][measure]):.2f}-{max(results[k][measure]):.2f})"
+            for k in kinds
+        }
+        print(
+            f"{label:<34} {span['ddpkit']:>18} {span['torchrun']:>18} "
+            f"{med['ddpkit'] / med['torchrun']:>7.2f}"
+        )
+    print(
+        f"{'2-rank DDP runs exiting non-zero':<34} {failures['ddpkit']:>15}/{args.exit_runs} "
+        f"{failures['torchrun']:>15}/{args.exit_runs}"
+    )
 
 
 if __name__ == "__main__":

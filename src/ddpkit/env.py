@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from ddpkit import protocol
 from ddpkit.errors import EnvError
 
 Launcher = Literal["ddpkit", "torchrun", "env", "slurm", "mpi", "none"]
@@ -98,7 +99,7 @@ def _read_torchrun(env: Mapping[str, str]) -> DistEnv:
     default_local = rank if local_world_size == world_size else None
     local_rank = _rank(env, "LOCAL_RANK", local_world_size, default=default_local)
     node_rank = _int(env, "GROUP_RANK", minimum=0, default=rank // local_world_size)
-    if "DDPKIT_RUN_ID" in env:
+    if protocol.JOB in env:
         launcher: Launcher = "ddpkit"
     elif "TORCHELASTIC_RUN_ID" in env:
         launcher = "torchrun"

@@ -44,7 +44,7 @@ class EpochLoader(DataLoader):
 
 def _beating(batches: Iterator[Any]) -> Iterator[Any]:
     """Each batch tells the launcher's hang doctor that this rank is making progress."""
-    from ddpkit.launch.progress import beat
+    from ddpkit.rank.progress import beat
 
     for batch in batches:
         beat()

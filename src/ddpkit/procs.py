@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from ddpkit import protocol
+
 LAUNCHER_WORDS = (
     "ddpkit run",
     "ddpkit.cli run",
@@ -40,8 +42,8 @@ class TrainingProcess:
 
 
 def job_of(environ: dict[str, str]) -> str | None:
-    if "DDPKIT_RUN_ID" in environ:
-        return environ["DDPKIT_RUN_ID"]
+    if protocol.JOB in environ:
+        return environ[protocol.JOB]
     if "TORCHELASTIC_RUN_ID" in environ:
         return "torchrun:" + environ["TORCHELASTIC_RUN_ID"]
     if "RANK" in environ and "WORLD_SIZE" in environ:
@@ -84,7 +86,7 @@ def list_training_processes() -> list[TrainingProcess]:
         if job is None:
             job = _launcher_job(proc)
             role = "launcher"
-        elif "DDPKIT_LAUNCHER_PID" not in environ and _launcher_job(proc):
+        elif protocol.LAUNCHER_PID not in environ and _launcher_job(proc):
             role = "launcher"
         if job is None:
             continue
@@ -115,7 +117,7 @@ def _is_job_member(pid: int, job: str) -> bool:
 
 
 def _is_orphan(proc: psutil.Process, environ: dict[str, str]) -> bool:
-    launcher = environ.get("DDPKIT_LAUNCHER_PID")
+    launcher = environ.get(protocol.LAUNCHER_PID)
     if launcher and launcher.isdigit() and not psutil.pid_exists(int(launcher)):
         return True
     try:
@@ -162,7 +164,7 @@ def processes_of_job(job: str, launcher_pid: int | None = None) -> list[psutil.P
         environ = _environ(proc) if proc.pid != os.getpid() else {}
         if job_of(environ) != job:
             continue
-        if launcher_pid is None or environ.get("DDPKIT_LAUNCHER_PID") == str(launcher_pid):
+        if launcher_pid is None or environ.get(protocol.LAUNCHER_PID) == str(launcher_pid):
             members[proc.pid] = proc
     for proc in list(members.values()):
         try:

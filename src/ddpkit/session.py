@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import math
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import checkpoint, comm, loaders
+from ddpkit import checkpoint, comm, loaders, protocol
 from ddpkit.env import DistEnv, check_gpu_fit, read_env
 from ddpkit.errors import ConfigError, EnvError, InitTimeoutError, install_excepthook
 from ddpkit.seeding import seed_everything
@@ -39,6 +40,7 @@ DEFAULT_INIT_TIMEOUT = 300.0
 # buffers are all BatchNorm statistics (-9.5% on a ResNet-50 shape; docs/bench-ddp.md).
 WRAP_DEFAULTS = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
 BACKENDS = ("auto", "nccl", "gloo")
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: longer is a typo, and torch's timers overflow on inf
 
 
 @dataclass
@@ -288,22 +290,18 @@ def setup(
     is the process group's collective timeout; default: 300 s for init
     (DDPKIT_INIT_TIMEOUT), torch's default for collectives."""
     install_excepthook()
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"setup(backend={backend!r}) is not one of {BACKENDS}",
-            fix="use 'auto' (nccl with one GPU per rank, else gloo)",
-        )
+    backend = _requested_backend(backend)
+    group_timeout = _group_timeout(timeout)
+    init_timeout = (
+        group_timeout.total_seconds()
+        if group_timeout is not None
+        else _seconds_from_env((protocol.INIT_TIMEOUT, "DDPKIT_INIT_TIMEOUT"), DEFAULT_INIT_TIMEOUT)
+    )
     env = read_env()
     seed_value = 0 if seed is None else seed
     if seed is not None:
         seed_everything(seed)
-    group_timeout = timedelta(seconds=timeout) if isinstance(timeout, int | float) else timeout
-    init_timeout = (
-        group_timeout.total_seconds()
-        if group_timeout is not None
-        else float(os.environ.get("DDPKIT_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT))
-    )
-    backend, device = _choose(env, os.environ.get("DDPKIT_BACKEND") or backend)
+    backend, device = _choose(env, backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init: NCCL binds to the current device
     if dist.is_initialized():  # the script (or a framework) already joined: adopt it
@@ -325,6 +323,65 @@ def setup(
         backend, store=store, rank=env.rank, world_size=env.world_size, **kwargs
     )
     return Session(env, backend, device, seed_value, owns_group=True)
+
+
+def _requested_backend(backend: object) -> str:
+    """The backend asked for: the script's argument, or with "auto" what `ddpkit run` decided
+    (CPU processes: gloo) or DDPKIT_BACKEND says; "auto" when nobody said."""
+    sources = [("setup(backend=...)", backend)]
+    if backend == "auto":
+        sources += [(var, os.environ.get(var, "")) for var in (protocol.BACKEND, "DDPKIT_BACKEND")]
+    for name, value in sources:
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"{name} is {value!r}, not one of {BACKENDS}",
+                fix="use 'auto' (nccl with one GPU per rank, else gloo)",
+            )
+        word = value.strip().lower()
+        if word and word not in BACKENDS:
+            where = name if name.startswith("setup") else f"{name}={value!r}"
+            raise ConfigError(
+                f"{where} is not one of {', '.join(BACKENDS)}",
+                fix="use auto (nccl with one GPU per rank, else gloo), nccl or gloo",
+            )
+        if word and word != "auto":
+            return word
+    return "auto"
+
+
+def _group_timeout(timeout: object) -> timedelta | None:
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ConfigError(
+            f"setup(timeout={timeout!r}) is not a number of seconds",
+            fix="pass seconds as a number, e.g. setup(timeout=600), or a timedelta",
+        )
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT:
+        raise ConfigError(
+            f"setup(timeout={timeout!r}) must be more than 0 and at most {MAX_TIMEOUT:.0f} s",
+            fix="pass the seconds init and collectives may wait, e.g. setup(timeout=600)",
+        )
+    return timedelta(seconds=seconds)
+
+
+def _seconds_from_env(names: tuple[str, ...], default: float) -> float:
+    for name in names:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT:
+            raise ConfigError(
+                f"{name}={raw!r} is not a number of seconds between 0 and {MAX_TIMEOUT:.0f}",
+                fix=f"set {name} to the seconds init may wait (e.g. 300), or unset it",
+            )
+        return seconds
+    return default
 
 
 def _drain_gloo(timeout: float = 10.0) -> None:

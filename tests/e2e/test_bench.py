@@ -208,3 +208,15 @@ def test_bad_flags_are_refused_with_exit_2(args, says):
     assert out.returncode == 2
     assert says in out.stderr
     assert "fix:" in out.stderr
+
+
+def test_plot_without_matplotlib_is_a_clear_error_before_anything_starts(tmp_path):
+    blocked = tmp_path / "no_matplotlib"  # a machine where matplotlib is not installed
+    (blocked / "matplotlib").mkdir(parents=True)
+    (blocked / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    path = os.pathsep.join(p for p in (str(blocked), os.environ.get("PYTHONPATH")) if p)
+    out = bench("all_reduce", "-b", "8", "-e", "8", "--plot", "r.png", env={"PYTHONPATH": path})
+    assert out.returncode == 2, out.stderr
+    assert "--plot needs matplotlib" in out.stderr
+    assert "pip install 'ddpkit[plot]'" in out.stderr
+    assert "Traceback" not in out.stderr

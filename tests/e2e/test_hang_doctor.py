@@ -20,7 +20,7 @@ def at(marker: str) -> str:
     return f"hangs.py:{next(i for i, t in enumerate(_SOURCE, 1) if t.endswith('# @' + marker))}"
 
 
-def run_hang(tmp_path, case: str, *extra: str, n: int = 2):
+def run_hang(tmp_path, case: str, *extra: str, n: int = 2, script=SCRIPTS / "hangs.py"):
     job = start(
         [
             "-n",
@@ -29,7 +29,7 @@ def run_hang(tmp_path, case: str, *extra: str, n: int = 2):
             str(HANG_TIMEOUT),
             "--grace",
             "1",
-            str(SCRIPTS / "hangs.py"),
+            str(script),
             case,
             *extra,
         ],
@@ -50,6 +50,17 @@ def test_a_rank_sleeping_before_a_collective_is_named(tmp_path):
     assert f"ranks 0,2 wait in all_reduce ({at('sleep-collective')})" in verdict
     assert f"rank 1 is elsewhere: stuck_here ({at('stuck-here')})" in verdict
     assert took < HANG_TIMEOUT + 10
+
+
+@pytest.mark.parametrize("folder", ["ddpkit", "torch"])
+def test_the_verdict_names_user_lines_in_a_project_folder_named_like_a_library(tmp_path, folder):
+    project = tmp_path / folder / "launch"  # .../ddpkit/launch/hangs.py: still the user's
+    project.mkdir(parents=True)
+    (project / "hangs.py").write_text((SCRIPTS / "hangs.py").read_text())
+    code, verdict, _, _ = run_hang(tmp_path, "sleep", script=project / "hangs.py")
+    assert code == HANG_EXIT
+    assert f"rank 0 waits in all_reduce ({at('sleep-collective')})" in verdict
+    assert f"rank 1 is elsewhere: stuck_here ({at('stuck-here')})" in verdict
 
 
 def test_a_collective_called_only_on_rank_0_is_named(tmp_path):

@@ -101,3 +101,21 @@ def test_demo_trains_on_bundled_data_and_reports_accuracy_and_a_summary(tmp_path
     assert accuracy > 0.85
     assert "summary: 2 rank(s), backend gloo" in job.stdout
     assert "samples/s" in job.stdout
+
+
+def test_an_option_variable_does_not_make_a_process_part_of_a_job():
+    # DDPKIT_RUN_ID is the --run-id option's variable, not the mark of a job's process
+    env = {**os.environ, "DDPKIT_RUN_ID": "optjob"}
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True
+    )
+    try:
+        rows = json.loads(ddpkit("ps", "--json").stdout)
+        assert not [r for r in rows if r["pid"] == bystander.pid]
+        out = ddpkit("kill", "optjob", "--grace", "1")
+        assert out.returncode == 2
+        assert "no job 'optjob'" in out.stderr
+        assert bystander.poll() is None, "ddpkit kill ended a process that is not a job's"
+    finally:
+        bystander.kill()
+        bystander.wait()

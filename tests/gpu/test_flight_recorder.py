@@ -20,11 +20,12 @@ DUMP = """import os, pickle, torch, torch.distributed as dist
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 import ddpkit
 from ddpkit.launch import flight
+from ddpkit.rank.flight import dump
 s = ddpkit.setup()
 for _ in range(3):
     dist.all_reduce(torch.ones(1024, device=s.device))
 torch.cuda.synchronize()
-d = pickle.loads(flight.dump())
+d = pickle.loads(dump(backend="nccl"))
 print("keys", sorted(d))
 print("entries", len(d.get("entries", [])))
 for line in flight.summarize(d):

@@ -44,14 +44,28 @@ class RankError:
     message: str
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str,
-           args: tuple[Any, ...], env: dict[str, str]) -> None:
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True", "DDPKIT_BACKEND": "gloo",
-        "OMP_NUM_THREADS": "1",
-    })
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    tmp: str,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "DDPKIT_BACKEND": "gloo",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     os.environ.update(env)
     # the rank's own stderr, kept for the failure message (pytest's capture would hide it)
     err_file = os.open(Path(tmp) / f"stderr{rank}.txt", os.O_WRONLY | os.O_CREAT, 0o600)
@@ -64,18 +78,27 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str,
     out.write_bytes(pickle.dumps(result))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any,
-              env: dict[str, str] | None = None, timeout: float = 60,
-              expect_errors: bool = False) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    tmp: Path,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+    expect_errors: bool = False,
+) -> list[Any]:
     """Results of fn on every rank, in rank order. With expect_errors, a rank's error comes
     back as a RankError instead of failing the test."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False
+    )
     ctx = _context()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, store.port, str(tmp), args,
-                                              env or {})) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, store.port, str(tmp), args, env or {}))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     pids = [p.pid for p in procs]
@@ -86,8 +109,11 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any,
         if p.is_alive():
             p.kill()
             p.join(5)
-    left = [pid for pid in pids if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    left = [
+        pid
+        for pid in pids
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not left, f"rank processes survived: {left}"
     if hung:
         raise RankFailedError(f"ranks {hung} did not finish within {timeout} s")
@@ -96,8 +122,9 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any,
         result_file = tmp / f"result{r}.pkl"
         if not result_file.exists():
             stderr = (tmp / f"stderr{r}.txt").read_text()[-3000:]
-            raise RankFailedError(f"rank {r} died (exit code {procs[r].exitcode}) before reporting:"
-                             f"\n{stderr}")
+            raise RankFailedError(
+                f"rank {r} died (exit code {procs[r].exitcode}) before reporting:\n{stderr}"
+            )
         status, value = pickle.loads(result_file.read_bytes())
         if status == "error" and not expect_errors:
             raise RankFailedError(f"rank {r} raised {value[0]}: {value[1]}\n{value[2]}")

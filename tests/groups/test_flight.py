@@ -19,27 +19,32 @@ def _dumps(rank, world, tmp):
 
     import ddpkit
     from ddpkit.launch import flight
+    from ddpkit.rank.flight import dump
 
     with ddpkit.setup() as s:
         for _ in range(7):
             dist.all_reduce(torch.ones(4))
         s.barrier()
-        try:
-            for _ in range(50):  # the recorder marks completion from another thread
-                status = pickle.loads(flight.dump(full=False))
-                if flight.progress_state(status)[1] is None:
-                    break
-                time.sleep(0.1)
-            full = pickle.loads(flight.dump())
-        except RuntimeError:
-            return None
+        for _ in range(50):  # the recorder marks completion from another thread
+            status = pickle.loads(dump(full=False, backend="gloo"))
+            if flight.progress_state(status)[1] is None:
+                break
+            time.sleep(0.1)
+        full = pickle.loads(dump(backend="gloo"))
         return status, full, flight.progress_state(status)
+
+
+def test_the_recorder_read_is_the_one_holding_this_groups_collectives(tmp_path):
+    for _, full, _ in run_ranks(_dumps, 2, tmp_path, env=RING):
+        assert len(full["entries"]) >= 7, f"torch {torch.__version__}: {sorted(full)}"
+        ops = {str(e.get("profiling_name")) for e in full["entries"]}
+        assert any("all_reduce" in op or "allreduce" in op for op in ops), ops
 
 
 def test_the_status_poll_carries_progress_without_the_collectives(tmp_path):
     results = run_ranks(_dumps, 2, tmp_path, env=RING)
-    if results[0] is None or "pg_status" not in results[0][0]:
-        pytest.skip("this torch's recorder has no process-group status")
+    if "pg_status" not in results[0][0]:
+        pytest.skip(f"torch {torch.__version__}'s recorder has no process-group status")
     for status, full, (completed, waiting) in results:
         assert "entries" not in status
         assert len(full["entries"]) >= 7
@@ -66,12 +71,13 @@ def _served(rank, world, tmp):
 
     import ddpkit
     from ddpkit.launch import flight
+    from ddpkit.rank import flight as rank_flight
 
     with ddpkit.setup() as s:
         for _ in range(3):
             dist.all_reduce(torch.ones(4))
         state = Path(tmp)
-        flight.serve(str(state), str(rank))  # as bootstrap does once an NCCL group exists
+        rank_flight.serve(str(state), str(rank), "gloo")  # as the bootstrap does after init
         flight.ask(state, rank)
         answer = None
         for _ in range(100):

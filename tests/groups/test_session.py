@@ -60,8 +60,9 @@ def _gather_mismatched_dims(rank, world, tmp):
 
 def test_gather_with_different_dimensions_is_an_error_not_a_hang(tmp_path):
     results = run_ranks(_gather_mismatched_dims, 2, tmp_path, expect_errors=True)
-    assert all(isinstance(r, RankError) and "different numbers of dimensions" in r.message
-               for r in results)
+    assert all(
+        isinstance(r, RankError) and "different numbers of dimensions" in r.message for r in results
+    )
 
 
 def _eval_pass(rank, world, tmp, n):
@@ -216,32 +217,45 @@ def test_main_first_lets_rank_0_finish_before_the_others(tmp_path):
 
 
 def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-            and not k.startswith(("SLURM_", "OMPI_", "TORCHELASTIC"))}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith(("SLURM_", "OMPI_", "TORCHELASTIC"))
+    }
 
 
 def test_plain_python_runs_as_one_process_without_blocking():
-    code = ("import ddpkit, torch\ns = ddpkit.setup()\n"
-            "print(s.world_size, s.backend, s.reduce(2.0),\n"
-            "      s.wrap(torch.nn.Linear(2, 2)).__class__.__name__)")
-    out = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True,
-                         text=True, timeout=60)
+    code = (
+        "import ddpkit, torch\ns = ddpkit.setup()\n"
+        "print(s.world_size, s.backend, s.reduce(2.0),\n"
+        "      s.wrap(torch.nn.Linear(2, 2)).__class__.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "gloo", "2.0", "Linear"]
     assert "running as a single process" in out.stderr
 
 
-@pytest.mark.parametrize(("variables", "says"), [
-    ({"RANK": "0,1", "WORLD_SIZE": "2"}, "RANK='0,1' is not one integer"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 but the job has only 2 process(es)"),
-    ({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' is set but RANK is not"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
-])
+@pytest.mark.parametrize(
+    ("variables", "says"),
+    [
+        ({"RANK": "0,1", "WORLD_SIZE": "2"}, "RANK='0,1' is not one integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 but the job has only 2 process(es)"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' is set but RANK is not"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+    ],
+)
 def test_malformed_environment_fails_at_once_with_a_fix_and_no_traceback(variables, says):
-    out = subprocess.run([sys.executable, "-c", "import ddpkit; ddpkit.setup()"],
-                         env={**_clean_env(), **variables}, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", "import ddpkit; ddpkit.setup()"],
+        env={**_clean_env(), **variables},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
     assert says in out.stderr
     assert "fix:" in out.stderr
@@ -252,8 +266,9 @@ def _wrap_options(rank, world, tmp):
     import ddpkit
 
     with ddpkit.setup() as s:
-        model = s.wrap(nn.Linear(4, 4), bucket_cap_mb=1, gradient_as_bucket_view=True,
-                       broadcast_buffers=False)
+        model = s.wrap(
+            nn.Linear(4, 4), bucket_cap_mb=1, gradient_as_bucket_view=True, broadcast_buffers=False
+        )
         return model.bucket_bytes_cap, model.gradient_as_bucket_view, model.broadcast_buffers
 
 
@@ -366,11 +381,18 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
 
     path = tmp_path / "ckpt.pt"
     write_atomic({"step": 1}, path)
-    writer = subprocess.Popen([sys.executable, "-c", (
-        "import torch, sys\n"
-        "from ddpkit.checkpoint import write_atomic\n"
-        "write_atomic({'step': 2, 'w': torch.ones(400 * 2**20 // 4)}, sys.argv[1])\n"),
-        str(path)])
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import torch, sys\n"
+                "from ddpkit.checkpoint import write_atomic\n"
+                "write_atomic({'step': 2, 'w': torch.ones(400 * 2**20 // 4)}, sys.argv[1])\n"
+            ),
+            str(path),
+        ]
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # kill it while the temporary file is being written
         partial = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -21,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
+    from ddpkit import protocol
     from ddpkit.errors import ConfigError
     from ddpkit.launch import hang
     from ddpkit.procs import list_training_processes
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"no job {job!r} on this machine", fix="see `ddpkit ps` for jobs")
     by_dir: dict[str, list[SimpleNamespace]] = {}
     for p in mine:
-        state_dir = psutil.Process(p.pid).environ().get("DDPKIT_STATE_DIR")
+        state_dir = psutil.Process(p.pid).environ().get(protocol.STATE_DIR)
         if state_dir is None:
             print(f"rank {p.rank} (pid {p.pid}) was not started by ddpkit run: " + _py_spy(p.pid))
             continue

@@ -1,11 +1,8 @@
-"""NCCL flight recorder, on demand: the last collectives each rank issued, with their state.
+"""The launcher's side of the flight recorder: ask ranks for dumps and read what they say.
 
-PyTorch keeps a ring buffer of recent collectives per NCCL process group when
-TORCH_FR_BUFFER_SIZE > 0 (ddpkit run sets 2000 unless set). The rank side
-(`serve`, a daemon thread started once the rank's NCCL group exists) writes a dump when the
-launcher drops a request file; the launcher side (`request`) asks every rank and reads what
-came back. Torch builds without the recorder, or a rank whose Python cannot run, give none,
-and the verdict goes on from stacks alone.
+Each rank that has a process group answers requests (`ddpkit.rank.flight`); `request` asks
+every rank and reads what came back. Torch builds without the recorder, or a rank whose Python
+cannot run, give none, and the verdict goes on from stacks alone.
 
 The hang watch polls every 2 s, so its poll asks only for each process group's status (last
 enqueued and completed sequence numbers): 0.1 ms. A dump with the collectives took 10.75 ms
@@ -17,63 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-STATUS = "status"  # request-file content asking for the process groups' status only
+from ddpkit import protocol
 
 
 def _paths(state_dir: Path, rank: int | str) -> tuple[Path, Path]:
-    return state_dir / f"rank{rank}.fr-request", state_dir / f"rank{rank}.fr"
+    return (
+        protocol.state_path(state_dir, rank, protocol.FLIGHT_REQUEST),
+        protocol.state_path(state_dir, rank, protocol.FLIGHT_DUMP),
+    )
 
 
 def ready_file(state_dir: Path, rank: int | str) -> Path:
-    """Exists once the rank answers dump requests (it has an NCCL group)."""
-    return state_dir / f"rank{rank}.fr-ready"
-
-
-def serve(state_dir: str, rank: str) -> None:
-    """Rank side: answer dump requests from a daemon thread."""
-
-    request, out = _paths(Path(state_dir), rank)
-    ready_file(Path(state_dir), rank).touch()
-
-    def loop() -> None:
-        with contextlib.suppress(Exception):
-            dump()  # pay the first call's set-up now, not when a hang is being reported
-        while True:
-            time.sleep(0.5)
-            if not request.exists():
-                continue
-            with contextlib.suppress(Exception):
-                full = request.read_text() != STATUS
-                request.unlink()
-                out.write_bytes(dump(full))
-
-    threading.Thread(target=loop, daemon=True, name="ddpkit-flight-recorder").start()
-
-
-def dump(full: bool = True) -> bytes:
-    """This process's flight-recorder dump (pickled), without per-collective stack traces,
-    which are slow to symbolise and which the hang doctor takes from faulthandler instead.
-    full=False leaves out the collectives too: the process groups' status alone, or the full
-    dump where this torch's recorder keeps no such status (progress then comes from entries)."""
-    from torch._C import _distributed_c10d as c10d
-
-    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
-        fn = getattr(c10d, name, None)
-        if fn is None:
-            continue
-        try:
-            data = bytes(fn(includeCollectives=full, includeStackTraces=False, onlyActive=False))
-        except TypeError:  # an older signature
-            return bytes(fn())
-        if full or b"pg_status" in data:
-            return data
-        return dump(full=True)
-    raise RuntimeError("this torch has no flight recorder dump")
+    """Exists once the rank answers dump requests."""
+    return protocol.state_path(state_dir, rank, protocol.FLIGHT_READY)
 
 
 def request(ranks: list[int], state_dir: Path, wait: float = 8.0) -> dict[int, Any]:
@@ -94,15 +51,32 @@ def request(ranks: list[int], state_dir: Path, wait: float = 8.0) -> dict[int, A
     return dumps
 
 
+def _op(entry: dict[str, Any]) -> str:
+    name = str(entry.get("profiling_name", "?"))
+    return name.split(":", 1)[1] if ":" in name else name  # "nccl:all_reduce", "gloo:..."
+
+
+def _completed(entry: dict[str, Any], status: dict[str, Any]) -> bool:
+    """Whether a recorded collective has finished. gloo leaves every entry "scheduled" and
+    keeps the truth in the process groups' status; NCCL updates the entries."""
+    group = entry.get("process_group")
+    seqs = status.get(str(group[0] if isinstance(group, list | tuple) else group))
+    if seqs is not None:
+        return int(entry.get("collective_seq_id", -1)) <= int(
+            seqs.get("last_completed_collective", -1)
+        )
+    return entry.get("state") == "completed"
+
+
 def summarize(dump: Any, last: int = 3) -> list[str]:
     """A few lines from one rank's dump: its last collectives, newest last."""
     entries = dump.get("entries", []) if isinstance(dump, dict) else []
+    status = dump.get("pg_status") or {} if isinstance(dump, dict) else {}
     lines = []
     for e in entries[-last:]:
-        op = str(e.get("profiling_name", "?")).replace("nccl:", "")
+        state = "completed" if _completed(e, status) else e.get("state", "?")
         lines.append(
-            f"#{e.get('collective_seq_id', '?')} {op} {e.get('state', '?')} "
-            f"in={e.get('input_sizes', '?')}"
+            f"#{e.get('collective_seq_id', '?')} {_op(e)} {state} in={e.get('input_sizes', '?')}"
         )
     return lines
 
@@ -112,7 +86,7 @@ def ask(state_dir: Path, rank: int) -> None:
     next sample)."""
     request_file, out = _paths(state_dir, rank)
     out.unlink(missing_ok=True)
-    request_file.write_text(STATUS)
+    request_file.write_text(protocol.FLIGHT_STATUS)
 
 
 def answer(state_dir: Path, rank: int) -> Any | None:
@@ -148,8 +122,8 @@ def progress_state(dump: Any) -> tuple[int, Any]:
 def pending(dump: Any) -> str | None:
     """The oldest collective this rank issued that has not completed, if any."""
     entries = dump.get("entries", []) if isinstance(dump, dict) else []
+    status = dump.get("pg_status") or {} if isinstance(dump, dict) else {}
     for e in entries:
-        if e.get("state") != "completed":
-            op = str(e.get("profiling_name", "?")).replace("nccl:", "")
-            return f"{op} #{e.get('collective_seq_id', '?')} ({e.get('state')})"
+        if not _completed(e, status):
+            return f"{_op(e)} #{e.get('collective_seq_id', '?')} ({e.get('state')})"
     return None

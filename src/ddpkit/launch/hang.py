@@ -24,8 +24,9 @@ from typing import Any
 
 import psutil
 
-from ddpkit.launch import flight, progress
-from ddpkit.launch.bootstrap import COLLECTIVES, is_library
+from ddpkit import protocol
+from ddpkit.frames import is_bootstrap, is_library, torch_module
+from ddpkit.launch import flight
 
 BUSY_SHARE = 0.10
 SAMPLE_EVERY = 1.0
@@ -38,7 +39,7 @@ FLIGHT_EVERY = 2.0  # seconds between flight-recorder polls of NCCL ranks
 @dataclass
 class RankState:
     cpu: float = -1.0
-    record: progress.Record | None = None
+    record: protocol.Record | None = None
     last_progress: float = field(default_factory=time.monotonic)
     nccl: tuple[int, int | None] | None = None  # (last completed seq, oldest pending seq)
     stuck_in_nccl: bool = False
@@ -65,7 +66,7 @@ class HangWatch:
             self._poll_flight_recorders(now)
         for w in self.workers:
             state = self.ranks[w.rank]
-            record = progress.read(progress.path_for(self.state_dir, w.rank))
+            record = protocol.read_record(self.state_dir, w.rank)
             cpu = tree_cpu_seconds(w.proc.pid) if w.exit_code is None else state.cpu
             previous = state.record
             advanced = record is not None and (
@@ -127,7 +128,7 @@ def dump_stacks(pids: dict[int, int], state_dir: Path, wait: float = 3.0) -> dic
     """Ask each rank (rank -> pid) for its stacks; return rank -> the text it wrote."""
     sizes = {}
     for rank, pid in pids.items():
-        path = state_dir / f"rank{rank}.stacks"
+        path = protocol.state_path(state_dir, rank, protocol.STACKS)
         sizes[rank] = path.stat().st_size if path.exists() else 0
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGUSR1)
@@ -136,7 +137,7 @@ def dump_stacks(pids: dict[int, int], state_dir: Path, wait: float = 3.0) -> dic
     while time.monotonic() < deadline and len(texts) < len(pids):
         time.sleep(0.1)
         for rank in pids:
-            path = state_dir / f"rank{rank}.stacks"
+            path = protocol.state_path(state_dir, rank, protocol.STACKS)
             if rank not in texts and path.exists() and path.stat().st_size > sizes[rank]:
                 time.sleep(0.1)  # let faulthandler finish writing
                 with path.open() as f:
@@ -177,7 +178,7 @@ def parse_threads(text: str) -> list[list[Frame]]:
 def main_thread(threads: list[list[Frame]]) -> list[Frame]:
     """The thread running the user's script: its outermost frames are the bootstrap's."""
     for frames in threads:
-        if any(f.file.endswith(os.path.join("launch", "bootstrap.py")) for f in frames[-4:]):
+        if any(is_bootstrap(f.file) for f in frames[-4:]):
             return frames
     return threads[0] if threads else []
 
@@ -191,7 +192,7 @@ def user_frames(frames: list[Frame]) -> list[Frame]:
 
 def where(
     rank_frames: list[Frame],
-    record: progress.Record | None,
+    record: protocol.Record | None,
     exit_code: int | None,
     nccl_pending: str | None = None,
 ) -> tuple[str, str]:
@@ -204,10 +205,11 @@ def where(
         return f"wait in {record.op}", record.site or site
     if nccl_pending:  # NCCL collectives return at once; the recorder knows they never ended
         return f"wait in {nccl_pending.split()[0]}", (record.site if record else "") or site
-    for f in rank_frames:
-        if f.func in COLLECTIVES and "distributed" in f.file:
+    modules = [(f, torch_module(f.file) or "") for f in rank_frames]
+    for f, module in modules:
+        if f.func in protocol.COLLECTIVES and module.startswith("distributed/"):
             return f"wait in {f.func}", site
-    if any(os.path.join("utils", "data") in f.file for f in rank_frames):
+    if any(module.startswith("utils/data/") for _, module in modules):
         return "wait for a DataLoader batch", site
     func = mine[0].func if mine else (rank_frames[0].func if rank_frames else "?")
     return f"is elsewhere: {func}", site
@@ -239,7 +241,7 @@ def describe(workers: list[Any], state_dir: Path, stall: float) -> tuple[str, st
     recorded = flight.request(nccl_ranks, state_dir) if nccl_ranks else {}
     places, details = {}, []
     for w in workers:
-        record = progress.read(progress.path_for(state_dir, w.rank))
+        record = protocol.read_record(state_dir, w.rank)
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
         in_flight = flight.pending(recorded[w.rank]) if w.rank in recorded else None
         places[w.rank] = where(frames, record, w.exit_code, in_flight)

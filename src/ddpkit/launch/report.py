@@ -8,11 +8,12 @@ not blamed for them.
 
 from __future__ import annotations
 
-import json
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ddpkit import protocol
 
 # Errors a rank gets because a peer died: never the root cause while another rank failed.
 VICTIM_WORDS = (
@@ -79,24 +80,22 @@ class Outcome:
 
     @classmethod
     def rank_failed(cls, failed: list[Any], state_dir: Path) -> Outcome:
-        errors: dict[int, dict[str, Any]] = {}
-        for w in failed:
-            try:
-                errors[w.rank] = json.loads((state_dir / f"rank{w.rank}.error").read_text())
-            except (OSError, ValueError):
-                pass
+        errors = {
+            w.rank: error for w in failed if (error := protocol.read_error(state_dir, w.rank))
+        }
 
         def order(w: Any) -> tuple[bool, float]:
-            error = errors.get(w.rank, {})
-            victim = any(word in error.get("message", "") for word in VICTIM_WORDS)
-            return victim, float(error.get("time") or w.ended_wall)
+            error = errors.get(w.rank)
+            if error is None:
+                return False, w.ended_wall
+            return any(word in error.message for word in VICTIM_WORDS), error.time
 
         root = min(failed, key=order)
         summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
         if root.rank in errors:
-            message = errors[root.rank]["message"]
+            message = errors[root.rank].message
             message = message if len(message) <= 160 else message[:157] + "..."
-            summary += f" ({errors[root.rank]['type']}: {message})"
+            summary += f" ({errors[root.rank].type}: {message})"
         return cls(
             ok=False,
             exit_code=exit_code_of(root.exit_code),
@@ -146,14 +145,12 @@ MISMATCH_WORDS = (
 def collective_mismatch(workers: list[Any], state_dir: Path) -> str | None:
     """When torch or gloo says collectives differ, which rank called what, from where (from
     each rank's progress record), instead of a wall of fingerprints."""
-    from ddpkit.launch import progress
-
     said = [line for w in workers for line in w.output.stderr_tail]
     if not any(word in line for line in said for word in MISMATCH_WORDS):
         return None
     calls = []
     for w in workers:
-        record = progress.read(progress.path_for(state_dir, w.rank))
+        record = protocol.read_record(state_dir, w.rank)
         if record is not None and record.op:
             shapes = f" with shape {record.shapes}" if record.shapes else ""
             calls.append(f"rank {w.rank} called {record.op}{shapes} ({record.site})")

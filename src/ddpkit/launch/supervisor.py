@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 import ddpkit
-from ddpkit import procs
+from ddpkit import procs, protocol
 from ddpkit.errors import LaunchError
 from ddpkit.launch import hang, report
 from ddpkit.launch.config import LaunchConfig
@@ -177,12 +177,12 @@ def worker_env(
             "TORCHELASTIC_RESTART_COUNT": str(attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "DDPKIT_RUN_ID": node.run_id,
-            "DDPKIT_LAUNCHER_PID": str(os.getpid()),
-            "DDPKIT_STATE_DIR": str(state_dir),
+            protocol.JOB: node.run_id,
+            protocol.LAUNCHER_PID: str(os.getpid()),
+            protocol.STATE_DIR: str(state_dir),
             # setup()'s own bound is looser, so the launcher's verdict (naming the missing rank)
             # comes first.
-            "DDPKIT_INIT_TIMEOUT": str(cfg.init_timeout + 30),
+            protocol.INIT_TIMEOUT: str(cfg.init_timeout + 30),
         }
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -192,13 +192,13 @@ def worker_env(
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
     if not cfg.track:
-        env["DDPKIT_TRACK"] = "0"
+        env[protocol.TRACK] = "0"
     if cfg.check_collectives:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if cfg.omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
     if cfg.backend == "gloo":
-        env["DDPKIT_BACKEND"] = "gloo"
+        env[protocol.BACKEND] = "gloo"
     package_root = str(Path(ddpkit.__file__).resolve().parent.parent)
     if package_root not in env.get("PYTHONPATH", "").split(os.pathsep):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -208,7 +208,7 @@ def worker_env(
 def _start_worker(
     cfg: LaunchConfig, rank: int, local_rank: int, env: dict[str, str], run_dir: Path
 ) -> Worker:
-    cmd = [sys.executable, "-m", "ddpkit.launch.bootstrap", cfg.kind, cfg.target, *cfg.args]
+    cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *cfg.args]
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -301,7 +301,7 @@ def _errored(workers: list[Worker], state_dir: Path, now: float) -> list[Worker]
     for w in workers:
         if w.exit_code is not None:
             continue
-        error = state_dir / f"rank{w.rank}.error"
+        error = protocol.state_path(state_dir, w.rank, protocol.ERROR)
         try:
             written = error.stat().st_mtime
         except OSError:
@@ -315,13 +315,7 @@ def _errored(workers: list[Worker], state_dir: Path, now: float) -> list[Worker]
 def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> str | None:
     """A verdict when some ranks have waited in init_process_group for `timeout` s while
     others never got there."""
-    phases: dict[int, tuple[str, float]] = {}
-    for w in workers:
-        try:
-            phase, stamp = (state_dir / f"rank{w.rank}.phase").read_text().split()
-            phases[w.rank] = (phase, float(stamp))
-        except (OSError, ValueError):
-            phases[w.rank] = ("starting", 0.0)
+    phases = {w.rank: protocol.read_phase(state_dir, w.rank) for w in workers}
     waiting = {r: t for r, (p, t) in phases.items() if p == "init"}
     if not waiting:
         return None
@@ -406,7 +400,7 @@ def _start_watchdog(run_id: str, grace: float) -> subprocess.Popen[bytes]:
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         start_new_session=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("DDPKIT_RUN")},
+        env={k: v for k, v in os.environ.items() if k not in protocol.WORKER_VARIABLES},
     )
 
 

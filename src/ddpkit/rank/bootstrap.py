@@ -1,6 +1,6 @@
 """The first code a worker runs: ties the worker to the launcher, then runs the user's script.
 
-`python -m ddpkit.launch.bootstrap script|module|command TARGET [ARGS...]`
+`python -m ddpkit.rank.bootstrap script|module|command TARGET [ARGS...]`
 
 Before the user's code: the kernel is asked to SIGKILL this process when the launcher dies
 (PR_SET_PDEATHSIG), faulthandler dumps every thread's stack to the rank's stack file on SIGUSR1
@@ -17,35 +17,32 @@ import faulthandler
 import functools
 import importlib.abc
 import importlib.machinery
-import json
 import os
 import runpy
 import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any
 
+from ddpkit import protocol
+from ddpkit.frames import is_library
+
 PR_SET_PDEATHSIG = 1
-STATE_DIR = os.environ.get("DDPKIT_STATE_DIR", "")
+STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
 RANK = os.environ.get("RANK", "0")
-
-
-def state_file(name: str) -> Path:
-    return Path(STATE_DIR) / f"rank{RANK}.{name}"
 
 
 def set_phase(phase: str) -> None:
     """Record this rank's phase (started / init / ready) for the launcher."""
     if STATE_DIR:
-        state_file("phase").write_text(f"{phase} {time.time():.3f}\n")
+        protocol.write_phase(STATE_DIR, RANK, phase)
 
 
 def tie_to_launcher() -> None:
     """SIGKILL this process when the launcher dies, even by SIGKILL (Linux only)."""
-    launcher = int(os.environ.get("DDPKIT_LAUNCHER_PID", "0"))
+    launcher = int(os.environ.get(protocol.LAUNCHER_PID, "0"))
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -91,52 +88,33 @@ class _InitWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             set_phase("init")
             result = original(*args, **kwargs)
             set_phase("ready")
-            if STATE_DIR and module.get_backend() == "nccl":
-                from ddpkit.launch import flight
+            if STATE_DIR and _recording():
+                from ddpkit.rank import flight
 
-                flight.serve(STATE_DIR, RANK)
+                flight.serve(STATE_DIR, RANK, str(module.get_backend()))
             return result
 
         module.init_process_group = init_process_group
         track_collectives(module)
 
 
-# The collectives whose calls are recorded (the outermost call only: all_gather_object's own
-# all_gather is part of it).
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "reduce",
-    "barrier",
-    "monitored_barrier",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather_object",
-    "scatter_object_list",
-    "all_reduce_coalesced",
-    "batch_isend_irecv",
-)
 _depth = 0
+
+
+def _recording() -> bool:
+    """The flight recorder keeps entries (the launcher sets its buffer unless told not to)."""
+    if os.environ.get(protocol.TRACK) == "0":
+        return False
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    return bool(size and size.strip().isdigit() and int(size) > 0)
 
 
 def track_collectives(module: ModuleType) -> None:
     """Record each collective's start and end in this rank's progress record."""
-    from ddpkit.launch import progress
+    from ddpkit.rank import progress
 
     record = progress.writer()
-    if record is None or os.environ.get("DDPKIT_TRACK") == "0":
+    if record is None or os.environ.get(protocol.TRACK) == "0":
         return
 
     def wrap(name: str, original: Any) -> Any:
@@ -156,34 +134,10 @@ def track_collectives(module: ModuleType) -> None:
 
         return collective
 
-    for name in COLLECTIVES:
+    for name in protocol.COLLECTIVES:
         original = getattr(module, name, None)
         if callable(original):
             setattr(module, name, wrap(name, original))
-
-
-_SKIP = (os.sep + "torch" + os.sep, os.sep + "ddpkit" + os.sep, "<frozen", "runpy")
-_EXAMPLES = os.sep + "ddpkit" + os.sep + "examples" + os.sep
-
-
-def _library_dirs() -> tuple[str, ...]:
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")})
-
-
-_LIBRARY_DIRS = _library_dirs()
-
-
-def is_library(filename: str) -> bool:
-    """Frames of torch, ddpkit itself (not its examples), the standard library and the
-    interpreter's machinery: what a user does not need to read in a stack."""
-    if _EXAMPLES in filename:
-        return False
-    return any(part in filename for part in _SKIP) or (
-        os.path.realpath(filename).startswith(_LIBRARY_DIRS) and "site-packages" not in filename
-    )
 
 
 def user_site() -> str:
@@ -210,9 +164,9 @@ def describe_shapes(args: tuple[Any, ...]) -> str:
 def write_error(kind: str, message: str, trace: str = "") -> None:
     """This rank's failure, timestamped, for the launcher's root-cause verdict."""
     if STATE_DIR:
-        record = {"time": time.time(), "type": kind, "message": message, "traceback": trace}
+        record = protocol.ErrorRecord(time.time(), kind, message, trace)
         try:
-            state_file("error").write_text(json.dumps(record))
+            protocol.write_error(STATE_DIR, RANK, record)
         except OSError:
             pass
 
@@ -232,14 +186,14 @@ def record_errors() -> None:
 def dump_stacks_on_signal() -> None:
     if not STATE_DIR:
         return
-    stacks = open(state_file("stacks"), "a")  # noqa: SIM115 - open for the process's life
+    stacks = open(protocol.state_path(STATE_DIR, RANK, protocol.STACKS), "a")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
 
 
 def main(argv: list[str]) -> None:
     kind, target, *args = argv
     tie_to_launcher()
-    os.environ["DDPKIT_RANK_PID"] = str(os.getpid())  # children inherit it: "not the rank"
+    os.environ[protocol.RANK_PID] = str(os.getpid())  # children inherit it: "not the rank"
     set_phase("started")
     if kind == "command":
         os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec

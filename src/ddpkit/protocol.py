@@ -1,0 +1,198 @@
+"""What passes between the launcher (`ddpkit.launch`) and each rank (`ddpkit.rank`), in one place.
+
+Two programs meet here and nowhere else: the launcher starts every worker with the variables
+below and reads the files each rank writes into the run's state folder; the rank side (the
+bootstrap, the progress record, the flight-recorder server) writes them. Neither side imports
+the other. Nothing here imports torch.
+
+The worker contract's variables start with `_DDPKIT_`, so they can never be mistaken for the
+options' variables (`DDPKIT_<OPTION>`, read by `ddpkit run`): `DDPKIT_RUN_ID=x sleep 40` is
+not a process of job x.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+# -- variables the launcher gives every worker (besides torchrun's) -------------------------
+
+JOB = "_DDPKIT_JOB"  # the job's run id: marks every process of the job, children included
+LAUNCHER_PID = "_DDPKIT_LAUNCHER_PID"  # the launcher that started this worker
+STATE_DIR = "_DDPKIT_STATE_DIR"  # where this rank writes its state files
+INIT_TIMEOUT = "_DDPKIT_INIT_TIMEOUT"  # setup()'s bound at init, looser than the launcher's
+BACKEND = "_DDPKIT_BACKEND"  # "gloo" when the launcher started CPU processes
+TRACK = "_DDPKIT_TRACK"  # "0": no per-collective records (benchmarks)
+RANK_PID = "_DDPKIT_RANK_PID"  # set by the bootstrap: its children are not the rank
+WORKER_VARIABLES = (JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID)
+
+
+def job_of(environ: Mapping[str, str]) -> str | None:
+    """The run id of the ddpkit job a process with this environment belongs to."""
+    return environ.get(JOB) or None
+
+
+# -- the rank's state files ------------------------------------------------------------------
+
+PHASE = "phase"  # "started|init|ready TIME": where the rank is in start-up
+ERROR = "error"  # the rank's uncaught error (ErrorRecord as JSON)
+STACKS = "stacks"  # faulthandler's dumps, appended on request
+PROGRESS = "progress"  # the memory-mapped progress record (Record)
+FLIGHT_REQUEST = "fr-request"  # the launcher asks for a flight-recorder dump
+FLIGHT_DUMP = "fr"  # the rank's answer (pickled dump)
+FLIGHT_READY = "fr-ready"  # exists once the rank answers dump requests
+FLIGHT_STATUS = "status"  # a request's content asking for process-group status only
+PHASES = ("started", "init", "ready")
+
+
+def state_path(state_dir: str | Path, rank: int | str, name: str) -> Path:
+    """The file `name` (one of the names above) of `rank` in a state folder."""
+    return Path(state_dir) / f"rank{rank}.{name}"
+
+
+def write_phase(state_dir: str | Path, rank: int | str, phase: str) -> None:
+    state_path(state_dir, rank, PHASE).write_text(f"{phase} {time.time():.3f}\n")
+
+
+def read_phase(state_dir: str | Path, rank: int | str) -> tuple[str, float]:
+    """(phase, wall time it began); ("starting", 0.0) before the rank wrote one."""
+    try:
+        phase, stamp = state_path(state_dir, rank, PHASE).read_text().split()
+        return phase, float(stamp)
+    except (OSError, ValueError):
+        return "starting", 0.0
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """A rank's uncaught error, timestamped, so the launcher can tell the root cause from the
+    ranks that failed because of it."""
+
+    time: float
+    type: str
+    message: str
+    traceback: str = ""
+    exit_code: int | None = None  # the code the rank exits with, when it chose one
+
+
+def write_error(state_dir: str | Path, rank: int | str, record: ErrorRecord) -> None:
+    state_path(state_dir, rank, ERROR).write_text(json.dumps(record.__dict__))
+
+
+def read_error(state_dir: str | Path, rank: int | str) -> ErrorRecord | None:
+    try:
+        data = json.loads(state_path(state_dir, rank, ERROR).read_text())
+        return ErrorRecord(**{k: data[k] for k in data if k in ErrorRecord.__annotations__})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+# -- the progress record ----------------------------------------------------------------------
+# A few hundred bytes in a memory-mapped file per rank. The rank writes how many collectives
+# it has finished, whether it is inside one now (which, since when, called from which
+# file:line, with which shapes), and a beat counter that ddpkit's loader and helpers bump.
+# Writes are a struct pack into shared memory (about a microsecond); a read may see a record
+# mid-update, which only delays a verdict by one sample.
+
+_RECORD = struct.Struct("<QQdB7x32s96s160s")
+RECORD_SIZE = _RECORD.size
+BEATS_OFFSET = 8
+
+
+@dataclass(frozen=True)
+class Record:
+    finished: int = 0  # collectives completed
+    beats: int = 0  # ddpkit helper activity (loader batches, ...)
+    since: float = 0.0  # wall time the current collective started
+    in_collective: bool = False
+    op: str = ""
+    shapes: str = ""
+    site: str = ""  # file:line of the user's call
+
+
+class RecordWriter:
+    """The rank's side of its progress record."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, RECORD_SIZE)
+            self._map = mmap.mmap(fd, RECORD_SIZE)
+        finally:
+            os.close(fd)
+        self.finished = 0
+        self.beats = 0
+        self._write(False, "", "", "", 0.0)
+
+    def _write(self, inside: bool, op: str, shapes: str, site: str, since: float) -> None:
+        self._map[:RECORD_SIZE] = _RECORD.pack(
+            self.finished,
+            self.beats,
+            since,
+            inside,
+            op.encode()[:32],
+            shapes.encode()[:96],
+            site.encode()[:160],
+        )
+
+    def enter(self, op: str, shapes: str, site: str) -> None:
+        self._write(True, op, shapes, site, time.time())
+
+    def leave(self, op: str, shapes: str, site: str) -> None:
+        self.finished += 1
+        self._write(False, op, shapes, site, 0.0)
+
+    def beat(self) -> None:
+        self.beats += 1
+        struct.pack_into("<Q", self._map, BEATS_OFFSET, self.beats)
+
+
+def read_record(state_dir: str | Path, rank: int | str) -> Record | None:
+    """The launcher's side: the record, or None before the rank created it."""
+    try:
+        raw = state_path(state_dir, rank, PROGRESS).read_bytes()
+    except OSError:
+        return None
+    if len(raw) < RECORD_SIZE:
+        return None
+    finished, beats, since, inside, op, shapes, site = _RECORD.unpack(raw[:RECORD_SIZE])
+    return Record(finished, beats, since, bool(inside), _text(op), _text(shapes), _text(site))
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+# The torch.distributed calls the rank records (the outermost call only: all_gather_object's
+# own all_gather is part of it), and that the hang doctor recognises in a stack.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "monitored_barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "all_reduce_coalesced",
+    "batch_isend_irecv",
+)
