@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import signal
-import socket
 import stat
 import time
 
 import pytest
 
-from tests.e2e.helpers import SCRIPTS, gone_within, start
+from tests.e2e.helpers import SCRIPTS, start
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,79 +105,6 @@ def test_a_plain_torch_script_forms_one_group(tmp_path):
     for rank in range(3):
         assert f"rank {rank} of 3 sum 3" in job.stdout
     assert not job.survivors()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_nodes(args: list[str], tmp_path) -> list:
-    run_id = "mn" + str(_free_port())  # every node of a job names the same run
-    for i in (0, 1):
-        (tmp_path / f"n{i}").mkdir()
-    return [start(args, tmp_path / f"n{i}", run_id=run_id) for i in (0, 1)]
-
-
-def test_two_launchers_on_one_machine_form_one_job_of_2x2_ranks(tmp_path):
-    rdzv = f"127.0.0.1:{_free_port()}"
-    args = ["--nnodes", "2", "--rdzv", rdzv, "-n", "2", str(SCRIPTS / "world.py")]
-    nodes = _start_nodes(args, tmp_path)
-    assert [n.finish() for n in nodes] == [0, 0]
-    out = nodes[0].stdout + nodes[1].stdout
-    for rank in range(4):
-        assert f"rank {rank} of 4 sum 4" in out
-    assert not any(n.survivors() for n in nodes)
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killing_one_nodes_launcher_tears_down_the_other(tmp_path, sig):
-    rdzv = f"127.0.0.1:{_free_port()}"
-    grace = 2
-    args = [
-        "--nnodes",
-        "2",
-        "--rdzv",
-        rdzv,
-        "-n",
-        "2",
-        "--grace",
-        str(grace),
-        str(SCRIPTS / "world.py"),
-        "600",
-    ]
-    nodes = _start_nodes(args, tmp_path)
-    for node in nodes:
-        node.wait_for("of 4 sum 4")
-    victim, other = nodes
-    victim.proc.send_signal(sig)
-    took = gone_within(other, grace + 15)
-    gone_within(victim, 10)
-    assert other.proc.returncode != 0
-    assert took < grace + 6, f"took {took:.1f} s"
-
-
-def test_srun_style_static_nodes_form_one_job(tmp_path):
-    port = _free_port()
-    nodes = []
-    for node in (0, 1):
-        slurm = {
-            "SLURM_PROCID": str(node),
-            "SLURM_NODEID": str(node),
-            "SLURM_NNODES": "2",
-            "SLURM_NTASKS": "2",
-            "SLURM_JOB_NODELIST": "127.0.0.1",
-            "SLURM_JOB_ID": "4242",
-            "DDPKIT_MASTER_PORT": str(port),
-        }
-        (tmp_path / f"n{node}").mkdir()
-        nodes.append(
-            start(["-n", "1", str(SCRIPTS / "world.py")], tmp_path / f"n{node}", env=slurm)
-        )
-    assert [n.finish() for n in nodes] == [0, 0]
-    assert "rank 1 of 2 sum 2" in nodes[1].stdout
-    assert "(node 1 of 2)" in nodes[1].stderr
 
 
 def test_max_restarts_restarts_the_group_and_the_example_resumes(tmp_path):

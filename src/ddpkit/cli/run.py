@@ -54,16 +54,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start(cfg: config.LaunchConfig) -> int:
-    """Check the port, then hand over to the supervisor (which imports torch)."""
+    """Warn about a privileged port, then hand over to the supervisor (which imports torch)."""
     from ddpkit.launch import ports
 
     warning = ports.warn_privileged(cfg.master_port)
     if warning:
         print(f"ddpkit: warning: {warning}", file=sys.stderr, flush=True)
-    if cfg.master_port and (not cfg.multi_node or cfg.node_rank == 0):
-        from ddpkit.launch.nodes import bind_host
-
-        ports.listen(bind_host(cfg.master_addr), cfg.master_port).close()
     from ddpkit.launch.supervisor import launch
 
     return launch(cfg)

@@ -29,12 +29,25 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
         "processes on this node: N, gpu (one per visible GPU), cpu "
         "(2 CPU processes on gloo) or auto (gpu when there are GPUs, else cpu)",
     ),
-    "nnodes": ("1", "number of nodes"),
+    "nnodes": ("1", "number of nodes, or MIN:MAX for elastic membership with --rdzv"),
     "node-rank": (None, "this node's rank, with --master-addr (static multi-node)"),
     "rdzv": (None, "HOST:PORT of torch elastic's c10d rendezvous, for multi-node"),
-    "master-addr": (None, "rank 0's address for static multi-node (default: loopback)"),
+    "master-addr": (
+        None,
+        "node 0's address as the other nodes reach it: static multi-node (default: loopback), "
+        "or with --rdzv to override what node 0 finds",
+    ),
+    "local-addr": (
+        None,
+        "this node's address as the other nodes reach it, if it becomes node 0 (default: the "
+        "address on the route to the rendezvous host)",
+    ),
     "master-port": ("0", "port of the job's store; 0 picks a free one without a race"),
     "max-restarts": ("0", "restart the whole group this many times after a failure"),
+    "node-timeout": (
+        "10",
+        "seconds another node's launcher may not answer before the job stops on every node",
+    ),
     "grace": ("5", "seconds between SIGTERM and SIGKILL when stopping workers"),
     "init-timeout": ("300", "seconds a rank may wait at init for a peer that never arrives"),
     "log-dir": (None, "folder for this run's logs (default: a new 0700 folder in /tmp)"),
@@ -60,12 +73,16 @@ class LaunchConfig:
     args: tuple[str, ...]
     nproc_per_node: int
     backend: str  # "nccl", "gloo" or "auto": what the workers are told (DDPKIT_BACKEND)
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes
+    min_nodes: int = 1  # the fewest nodes that start the job (--nnodes MIN:MAX)
     node_rank: int | None = None
     rdzv: str | None = None
     master_addr: str = LOOPBACK
     master_port: int = 0
     max_restarts: int = 0
+    node_timeout: float = 10.0
+    local_addr: str | None = None
+    last_call: float = 30.0  # with MIN < MAX: how long the rendezvous waits for more nodes
     grace: float = 5.0
     init_timeout: float = 300.0
     log_dir: Path | None = None
@@ -111,14 +128,13 @@ def add_switches(parser: argparse.ArgumentParser, environ: Mapping[str, str]) ->
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
     env = os.environ if environ is None else environ
     kind, target, rest = _target(args)
-    nnodes, node_rank, master_addr, master_port = _nodes(args, env)
+    min_nodes, nnodes, node_rank, master_addr, master_port = _nodes(args, env)
     nproc, backend = _nproc(args.nproc_per_node, env)
     max_restarts = _number(args.max_restarts, "--max-restarts", int, minimum=0)
-    if max_restarts and nnodes > 1:
+    if min_nodes != nnodes and not args.rdzv:
         raise ConfigError(
-            "--max-restarts with several nodes is not supported yet",
-            fix="restart single-node jobs with ddpkit; use torchrun for elastic "
-            "multi-node restarts",
+            f"--nnodes {min_nodes}:{nnodes} (elastic membership) needs --rdzv",
+            fix="add --rdzv HOST:PORT (the same on every node), or give one node count",
         )
     if nnodes > 1 and not args.rdzv and node_rank is None:
         raise ConfigError(
@@ -133,11 +149,14 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         nproc_per_node=nproc,
         backend=backend,
         nnodes=nnodes,
+        min_nodes=min_nodes,
         node_rank=node_rank,
         rdzv=_endpoint(args.rdzv) if args.rdzv else None,
         master_addr=master_addr,
         master_port=master_port,
         max_restarts=max_restarts,
+        node_timeout=_number(args.node_timeout, "--node-timeout", float, minimum=1),
+        local_addr=args.local_addr or None,
         grace=_number(args.grace, "--grace", float, minimum=0),
         init_timeout=_number(args.init_timeout, "--init-timeout", float, minimum=0.1),
         log_dir=Path(args.log_dir).expanduser() if args.log_dir else None,
@@ -205,8 +224,16 @@ def _nproc(value: str, env: Mapping[str, str]) -> tuple[int, str]:
     return n, "auto" if gpus else "gloo"
 
 
-def _nodes(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int | None, str, int]:
-    nnodes = _number(args.nnodes, "--nnodes", int, minimum=1)
+def _nodes(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[int, int, int | None, str, int]:
+    low, sep, high = str(args.nnodes).partition(":")
+    nnodes = _number(high if sep else low, "--nnodes", int, minimum=1)
+    min_nodes = _number(low, "--nnodes", int, minimum=1) if sep else nnodes
+    if min_nodes > nnodes:
+        raise ConfigError(
+            f"--nnodes {args.nnodes}: MIN is larger than MAX", fix="e.g. --nnodes 2:4"
+        )
     node_rank = (
         None if args.node_rank is None else _number(args.node_rank, "--node-rank", int, minimum=0)
     )
@@ -228,6 +255,7 @@ def _nodes(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int |
                 fix="srun --ntasks-per-node=1 ddpkit run -n gpu train.py",
             )
         nnodes, node_rank = slurm_nodes, int(env.get("SLURM_NODEID", "0"))
+        min_nodes = nnodes
         hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
         master_addr = args.master_addr or (hosts[0] if hosts else LOOPBACK)
         job = env.get("SLURM_JOB_ID", "")
@@ -243,7 +271,7 @@ def _nodes(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int |
                 "static multi-node needs a fixed --master-port on every node",
                 fix="add --master-port P (the same on every node)",
             )
-    return nnodes, node_rank, master_addr, master_port
+    return min_nodes, nnodes, node_rank, master_addr, master_port
 
 
 def _endpoint(text: str) -> str:

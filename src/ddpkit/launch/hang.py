@@ -48,13 +48,18 @@ class RankState:
 class HangWatch:
     """Samples every rank once a second; `hung()` says when no rank progressed for `timeout`."""
 
-    def __init__(self, workers: list[Any], state_dir: Path, timeout: float) -> None:
+    def __init__(
+        self, workers: list[Any], state_dir: Path, timeout: float, nodes: Any = None
+    ) -> None:
         self.workers = workers
         self.state_dir = state_dir
         self.timeout = timeout
         self.ranks = {w.rank: RankState() for w in workers}
         self.next_sample = 0.0
         self.next_flight = 0.0
+        # several nodes: progress is told to `nodes` (a Liveness), and only node 0 decides,
+        # from every node's progress
+        self.nodes = nodes
 
     def hung(self, now: float) -> bool:
         if self.timeout <= 0 or now < self.next_sample:
@@ -79,7 +84,14 @@ class HangWatch:
             if advanced or busy:
                 state.last_progress = now
             state.cpu, state.record = cpu, record
-        return all(now - s.last_progress >= self.timeout for s in self.ranks.values())
+        if self.nodes is None:
+            return self._local_stall(now) >= self.timeout
+        if any(s.last_progress >= now for s in self.ranks.values()):
+            self.nodes.progressed()
+        return self.nodes.node.group_rank == 0 and self.stalled_for(now) >= self.timeout
+
+    def _local_stall(self, now: float) -> float:
+        return min(now - s.last_progress for s in self.ranks.values())
 
     def _poll_flight_recorders(self, now: float) -> None:
         """NCCL calls return at once and the rank then spins at its next sync, so CPU time
@@ -104,7 +116,10 @@ class HangWatch:
             flight.ask(self.state_dir, w.rank)
 
     def stalled_for(self, now: float) -> float:
-        return min(now - s.last_progress for s in self.ranks.values())
+        local = self._local_stall(now)
+        if self.nodes is None:
+            return local
+        return min(local, now - self.nodes.last_remote_progress)
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -215,30 +230,42 @@ def where(
     return f"is elsewhere: {func}", site
 
 
-def verdict(places: dict[int, tuple[str, str]]) -> str:
-    """'ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: f (train.py:17)'."""
+def verdict(places: dict[int, tuple[str, str]], hosts: dict[int, str] | None = None) -> str:
+    """'ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: f (train.py:17)'; with
+    ranks on several hosts, each group says which: 'ranks 0,1 on node0 and 2 on node1 ...'."""
     groups: dict[tuple[str, str], list[int]] = {}
     for rank, place in sorted(places.items()):
         groups.setdefault(place, []).append(rank)
     ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    shown = hosts if hosts is not None and len(set(hosts.values())) > 1 else None
     parts = []
     for (what, site), ranks in ordered:
-        who = f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+        who = f"rank{'s' if len(ranks) > 1 else ''} {_on_hosts(ranks, shown)}"
         verb = what if len(ranks) > 1 else _singular(what)
         parts.append(f"{who} {verb}" + (f" ({site})" if site else ""))
     return "; ".join(parts)
+
+
+def _on_hosts(ranks: list[int], hosts: dict[int, str] | None) -> str:
+    if hosts is None:
+        return ",".join(map(str, ranks))
+    by_host: dict[str, list[int]] = {}
+    for rank in ranks:
+        by_host.setdefault(hosts.get(rank, "?"), []).append(rank)
+    return " and ".join(f"{','.join(map(str, rs))} on {host}" for host, rs in by_host.items())
 
 
 def _singular(what: str) -> str:
     return re.sub(r"^wait\b", "waits", what)
 
 
-def describe(workers: list[Any], state_dir: Path, stall: float) -> tuple[str, str]:
-    """Collect stacks and records; return (verdict line, details with per-rank stacks)."""
+def collect(workers: list[Any], state_dir: Path) -> tuple[dict[int, tuple[str, str]], str]:
+    """Collect stacks and records of this node's ranks: rank -> (what, where), and details
+    with per-rank stacks."""
     alive = {w.rank: w.proc.pid for w in workers if w.exit_code is None}
     texts = dump_stacks(alive, state_dir)
-    nccl_ranks = [r for r in alive if flight.ready_file(state_dir, r).exists()]
-    recorded = flight.request(nccl_ranks, state_dir) if nccl_ranks else {}
+    served = [r for r in alive if flight.ready_file(state_dir, r).exists()]
+    recorded = flight.request(served, state_dir) if served else {}
     places, details = {}, []
     for w in workers:
         record = protocol.read_record(state_dir, w.rank)
@@ -260,5 +287,10 @@ def describe(workers: list[Any], state_dir: Path, stall: float) -> tuple[str, st
             )
         if w.rank in alive and w.rank not in texts:
             details.append("    (no stack: the rank did not answer SIGUSR1)")
-    line = f"no rank made progress for {stall:.0f} s: {verdict(places)}"
-    return line, "\n".join(details)
+    return places, "\n".join(details)
+
+
+def describe(workers: list[Any], state_dir: Path, stall: float) -> tuple[str, str]:
+    """(verdict line, details with per-rank stacks) for this node's ranks."""
+    places, details = collect(workers, state_dir)
+    return f"no rank made progress for {stall:.0f} s: {verdict(places)}", details

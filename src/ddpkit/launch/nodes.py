@@ -1,136 +1,253 @@
-"""How the launchers of a job's nodes find each other and notice when one is gone.
+"""How the launchers of a job's nodes meet and agree where the job's store is.
 
-One node: nothing to do. Several nodes meet either through torch elastic's c10d rendezvous
-(`--rdzv HOST:PORT`, the existing engine) or statically (`--node-rank K --master-addr HOST
---master-port P`, also what `srun ddpkit run` uses). Node 0 then publishes where its workers'
-store listens. Each launcher beats a counter in a shared store every 0.5 s; a node whose counter
-stops for PEER_TIMEOUT s, a store that stops answering, or an abort key set by a failing node
-makes every other node tear its workers down.
+One node: nothing to meet; the launcher holds a loopback port for the workers' store. Several
+nodes meet either through torch elastic's c10d rendezvous (`--rdzv HOST:PORT`, the engine
+torchrun uses; node ranks come from it) or statically (`--node-rank K --master-addr HOST
+--master-port P`, also what `srun ddpkit run` uses). Node 0 then serves the job's store (the
+workers' store and the launchers' keys), on the address the other nodes reach it by, and
+publishes address and port as one record; every rank of every node gets that pair as
+MASTER_ADDR/MASTER_PORT. Before any worker starts, every node has connected to that store and
+said who it is, or the launcher stops with the node that could not and why.
+
+Liveness and the end of a job: `ddpkit.launch.liveness`. Every store call is bounded
+(`ddpkit.launch.store`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from ddpkit.errors import LaunchError
 from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.ports import listen
+from ddpkit.launch.store import BoundedStore, StoreUnreachableError, bounded, serve
 
-PEER_TIMEOUT = 3.0
-BEAT_EVERY = 0.5
-EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
+CALL_LIMIT = 5.0  # seconds any one launcher store call may take once the job runs
 
 
 @dataclass
 class NodeGroup:
-    """This node's place among the job's nodes. Store calls go through one lock: the
-    heartbeat thread and the main thread share the connection."""
+    """This node's place among the job's nodes, for one round (a restart is a new round)."""
 
     group_rank: int = 0
     nnodes: int = 1
     master_addr: str = "127.0.0.1"
+    master_port: int = 0
     run_id: str = ""
-    control: Any = None  # a torch Store shared by the launchers (None on one node)
-    lost: str | None = None  # why another node is gone, set by the heartbeat thread
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    round: int = 0
+    hosts: list[str] = field(default_factory=list)  # hostname of each node, by node rank
+    store: BoundedStore | None = None  # this thread's client of the job's store (several nodes)
+    server: Any = None  # the job's TCPStore, on the node that serves it
+    held: socket.socket | None = None  # a single node's listening socket, not yet a store
+    rendezvous: Any = None  # torch elastic's handler, with --rdzv
+    rdzv_host: str = ""
+    kept: list[Any] = field(default_factory=list)  # stores of earlier rounds, kept to the end
 
     @property
-    def hosts_store(self) -> bool:
-        return self.group_rank == 0
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
 
-    def _call(self, method: str, *args: Any) -> Any:
-        with self._lock:
-            return getattr(self.control, method)(*args)
+    @property
+    def store_addr(self) -> str:
+        """Where this node's own clients reach the job's store: loopback on the node that
+        serves it (its advertised address may be one only the others route to)."""
+        return "127.0.0.1" if self.server is not None else self.master_addr
 
-    def publish(self, key: str, value: str) -> None:
-        if self.control is not None:
-            self._call("set", f"ddpkit/{key}", value)
+    @property
+    def host(self) -> str:
+        return self.hosts[self.group_rank] if self.hosts else socket.gethostname()
 
-    def fetch(self, key: str) -> str:
-        return str(self._call("get", f"ddpkit/{key}").decode())
+    def host_of(self, node: int) -> str:
+        return self.hosts[node] if node < len(self.hosts) else f"node {node}"
 
-    def has(self, key: str) -> bool:
-        return bool(self._call("check", [f"ddpkit/{key}"]))
+    def serve_store(self, timeout: float) -> None:
+        """On one node: turn the held port into the workers' store (once)."""
+        if self.server is None and self.held is not None:
+            self.server, self.held = serve(self.held, self.master_addr, timeout), None
 
-    def share_run_id(self, own: str) -> None:
-        """Every node takes node 0's run id, so the job has one name on every machine."""
-        if self.hosts_store:
-            self.run_id = own
-            self.publish("run_id", own)
-        else:
-            self.run_id = self.fetch("run_id")
-
-    def start_heartbeat(self) -> None:
-        if self.control is not None:
-            threading.Thread(target=self._beat, daemon=True, name="ddpkit-heartbeat").start()
-
-    def abort(self, reason: str) -> None:
-        """Tell the other nodes this node failed (best effort)."""
-        if self.control is not None:
-            try:
-                self.publish("abort", f"node {self.group_rank}: {reason}")
-            except Exception:
-                pass
-
-    def finish(self, timeout: float = EXIT_BARRIER) -> None:
-        """After this node's workers succeeded: wait (bounded) until every node is done, so
-        the node that hosts the store does not take it away from the others."""
-        if self.control is None:
-            return
-        try:
-            self.publish(f"done/{self.group_rank}", "1")
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and not self.lost:
-                if all(self.has(f"done/{n}") for n in range(self.nnodes)):
-                    return
-                time.sleep(0.2)
-        except Exception:
-            return
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _beat(self) -> None:
-        seen: dict[int, tuple[int, float]] = {}
-        while not self._stop.wait(BEAT_EVERY):
-            try:
-                self._call("add", f"ddpkit/beat/{self.group_rank}", 1)
-                if self.has("abort"):
-                    self.lost = self.fetch("abort")
-                    return
-                now = time.monotonic()
-                for node in range(self.nnodes):
-                    if node == self.group_rank or self.has(f"done/{node}"):
-                        continue
-                    count = self._call("add", f"ddpkit/beat/{node}", 0)
-                    last = seen.get(node)
-                    if last is None or count != last[0]:
-                        seen[node] = (count, now)
-                    elif now - last[1] > PEER_TIMEOUT:
-                        self.lost = f"node {node}'s launcher stopped answering"
-                        return
-            except Exception as err:
-                if not self._stop.is_set():
-                    self.lost = f"lost contact with the job's store ({type(err).__name__})"
-                return
+    def close(self) -> None:
+        if self.held is not None:
+            self.held.close()
+            self.held = None
+        if self.store is not None:
+            self.store.close()
+        self.server, self.kept, self.rendezvous = None, [], None
 
 
 def join(cfg: LaunchConfig) -> NodeGroup:
-    """Meet the other nodes (if any) and learn this node's rank and rank 0's address."""
+    """Meet the other nodes (if any): this node's rank, the job's store, every node's host."""
     if not cfg.multi_node:
-        return NodeGroup(master_addr=cfg.master_addr, run_id=cfg.run_id)
+        held = listen(bind_host(cfg.master_addr), cfg.master_port)
+        return NodeGroup(
+            master_addr=cfg.master_addr,
+            master_port=held.getsockname()[1],
+            run_id=cfg.run_id,
+            held=held,
+            hosts=[socket.gethostname()],
+        )
     if cfg.rdzv:
-        return _join_rdzv(cfg)
+        return join_rdzv(cfg, rendezvous=None)
     return _join_static(cfg)
 
 
-def _join_rdzv(cfg: LaunchConfig) -> NodeGroup:
+def join_rdzv(cfg: LaunchConfig, rendezvous: Any) -> NodeGroup:
+    """A round of torch elastic's c10d rendezvous; node 0 then serves the job's store and
+    publishes where, in the rendezvous store, as torch elastic's bootstrap store info does."""
+    assert cfg.rdzv is not None  # noqa: S101 - checked by the caller
+    if rendezvous is None:
+        rendezvous = _rendezvous_handler(cfg)
+    deadline = time.monotonic() + cfg.init_timeout
+    try:
+        info = rendezvous.next_rendezvous()
+    except Exception as err:
+        raise LaunchError(
+            f"the {cfg.nnodes} nodes did not meet at {cfg.rdzv} within "
+            f"{cfg.init_timeout:.0f} s ({type(err).__name__}: {err})",
+            fix="start `ddpkit run` with the same --nnodes and --rdzv on every node, and "
+            "check that HOST:PORT is reachable from each",
+        ) from err
+    rdzv_store, rank, world = (
+        (info.store, info.rank, info.world_size) if hasattr(info, "store") else info
+    )
+    round_ = _round_of(rendezvous)
+    key = "ddpkit/job"  # the rendezvous store torch hands out is already this round's
+    rdzv_host = cfg.rdzv.rpartition(":")[0]
+    node = NodeGroup(
+        group_rank=rank, nnodes=world, round=round_, rendezvous=rendezvous, rdzv_host=rdzv_host
+    )
+    if rank == 0:
+        addr = (
+            cfg.master_addr
+            if cfg.master_addr_given
+            else cfg.local_addr or reachable_address(rdzv_host)
+        )
+        _serve_job_store(node, cfg, addr)
+        record = json.dumps({"addr": addr, "port": node.master_port, "run_id": cfg.run_id})
+        bounded(lambda: rdzv_store.set(key, record), CALL_LIMIT, "publishing the store")
+        node.run_id = cfg.run_id
+    else:
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            raw = bounded(lambda: rdzv_store.get(key), left, "reading where node 0 is")
+        except StoreUnreachableError as err:
+            raise LaunchError(
+                f"node {rank} met the others at {cfg.rdzv} but node 0 never said where the "
+                f"job's store is ({err})",
+                fix="check that node 0's launcher is running and reachable",
+            ) from err
+        record = json.loads(bytes(raw).decode())
+        node.master_addr, node.master_port = record["addr"], int(record["port"])
+        node.run_id = record["run_id"]
+    _register(node, cfg, deadline)
+    return node
+
+
+def _join_static(cfg: LaunchConfig) -> NodeGroup:
+    rank = cfg.node_rank or 0
+    node = NodeGroup(group_rank=rank, nnodes=cfg.nnodes, master_addr=cfg.master_addr)
+    deadline = time.monotonic() + cfg.init_timeout
+    if rank == 0:
+        _serve_job_store(node, cfg, cfg.master_addr)
+        node.master_port = cfg.master_port
+    else:
+        node.master_port = cfg.master_port
+    _register(node, cfg, deadline)
+    return node
+
+
+def _serve_job_store(node: NodeGroup, cfg: LaunchConfig, addr: str) -> None:
+    bind = bind_host(addr)
+    sock = listen(bind, cfg.master_port)
+    node.master_addr, node.master_port = addr, sock.getsockname()[1]
+    # the server's own client dials it on loopback: the advertised address is for the others
+    node.server = serve(sock, bind or "127.0.0.1", CALL_LIMIT)
+
+
+def _register(node: NodeGroup, cfg: LaunchConfig, deadline: float) -> None:
+    """Connect to the job's store and say who this node is; wait until every node has."""
+    prefix = f"ddpkit/{node.round}/"
+    where = f"{node.master_addr}:{node.master_port}"
+    host = socket.gethostname()
+    store = BoundedStore(node.store_addr, node.master_port, CALL_LIMIT, prefix)
+    me = json.dumps({"host": host, "pid": os.getpid()})
+    while True:
+        try:
+            store.call("set", store.key(f"node/{node.group_rank}"), me, limit=_left(deadline))
+            break
+        except StoreUnreachableError as err:
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"node {node.group_rank} ({host}) cannot reach the job's store at {where} "
+                    f"within --init-timeout {cfg.init_timeout:g} s: {_cause(err)}",
+                    fix=f"check that {host} can reach {where} (address, firewall, interface); "
+                    "node 0 publishes the address the other nodes reach it by: set it with "
+                    "--master-addr (or --local-addr) on node 0 if it is not",
+                ) from err
+            time.sleep(0.5)
+    if node.group_rank == 0:
+        store.set("run_id", cfg.run_id)
+        for other in range(node.nnodes):  # counters exist before anyone reads them
+            for counter in ("beat", "progress", "done"):
+                store.add(f"{counter}/{other}", 0)
+        store.set("ready", "1")
+    missing = list(range(node.nnodes))
+    while missing:
+        try:
+            missing = [n for n in missing if not store.has(f"node/{n}")]
+        except StoreUnreachableError:
+            pass
+        if missing and time.monotonic() >= deadline:
+            who = ", ".join(f"node {n}" for n in missing)
+            raise LaunchError(
+                f"{who} never reached the job's store at {where} within --init-timeout "
+                f"{cfg.init_timeout:g} s",
+                fix=f"start `ddpkit run` on every node; check that each can reach {where}",
+            )
+        if missing:
+            time.sleep(0.2)
+    hosts = [json.loads(store.get(f"node/{n}"))["host"] for n in range(node.nnodes)]
+    node.run_id = store.get("run_id", limit=_left(deadline))
+    store.get("ready", limit=_left(deadline))
+    node.hosts, node.store = hosts, store
+
+
+def _round_of(rendezvous: Any) -> int:
+    """The rendezvous round (the same number on every node of it), where torch tells it."""
+    state = getattr(getattr(rendezvous, "_state_holder", None), "state", None)
+    return int(getattr(state, "round", 0))
+
+
+def serves_rendezvous(node: NodeGroup) -> bool:
+    """This machine is the rendezvous endpoint's host (its launcher serves that store)."""
+    if not node.rdzv_host:
+        return False
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        return bool(_matches_machine_hostname(node.rdzv_host))
+    except Exception:
+        return False
+
+
+def _left(deadline: float) -> float:
+    return max(0.5, deadline - time.monotonic())
+
+
+def _cause(err: BaseException) -> str:
+    cause = err.__cause__ or err
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return text[:200]
+
+
+def _rendezvous_handler(cfg: LaunchConfig) -> Any:
+    # torch >= 2.5 also serves a second store from node 0 unless told not to; ddpkit has its own
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
@@ -139,72 +256,34 @@ def _join_rdzv(cfg: LaunchConfig) -> NodeGroup:
         backend="c10d",
         endpoint=cfg.rdzv,
         run_id=cfg.run_id if cfg.run_id_given else "ddpkit",
-        min_nodes=cfg.nnodes,
+        min_nodes=cfg.min_nodes,
         max_nodes=cfg.nnodes,
+        local_addr=cfg.local_addr,
         join_timeout=str(int(cfg.init_timeout)),
+        last_call_timeout=str(int(cfg.last_call)),
     )
     try:
-        handler = get_rendezvous_handler(params)
-        info = handler.next_rendezvous()
+        return get_rendezvous_handler(params)
     except Exception as err:
         raise LaunchError(
-            f"the {cfg.nnodes} nodes did not meet at {cfg.rdzv} within "
-            f"{cfg.init_timeout:.0f} s ({type(err).__name__}: {err})",
-            fix="start `ddpkit run` with the same --nnodes and --rdzv on every node, and "
-            "check that HOST:PORT is reachable from each",
+            f"could not reach the rendezvous at {cfg.rdzv} ({type(err).__name__}: {err})",
+            fix="check HOST:PORT: the same on every node, reachable from each; the node "
+            "whose address it is serves it",
         ) from err
-    store, rank, world = (
-        (info.store, info.rank, info.world_size) if hasattr(info, "store") else info
-    )
-    group = NodeGroup(group_rank=rank, nnodes=world, control=store)
-    host = cfg.rdzv.rpartition(":")[0]
-    if rank == 0:
-        group.master_addr = cfg.master_addr if cfg.master_addr_given else _address_for(host)
-    group.share_run_id(cfg.run_id)
-    return group
 
 
-def _join_static(cfg: LaunchConfig) -> NodeGroup:
-    import torch.distributed as dist
-
-    from ddpkit.launch.ports import listen
-
-    rank = cfg.node_rank or 0
-    port = cfg.master_port + 1  # the launchers' own store, beside the workers'
-    timeout = timedelta(seconds=cfg.init_timeout)
-    try:
-        if rank == 0:
-            sock = listen(bind_host(cfg.master_addr), port)
-            store = dist.TCPStore(
-                cfg.master_addr,
-                port,
-                None,
-                True,
-                timeout,
-                wait_for_workers=False,
-                master_listen_fd=sock.detach(),
-            )
-        else:
-            store = dist.TCPStore(cfg.master_addr, port, None, False, timeout)
-    except (RuntimeError, dist.DistNetworkError) as err:
-        raise LaunchError(
-            f"node {rank} could not reach node 0's launcher at {cfg.master_addr}:{port} "
-            f"within {cfg.init_timeout:.0f} s",
-            fix="start node 0 too, with the same --master-addr/--master-port on every node",
-        ) from err
-    group = NodeGroup(
-        group_rank=rank, nnodes=cfg.nnodes, master_addr=cfg.master_addr, control=store
-    )
-    group.share_run_id(cfg.run_id)
-    return group
-
-
-def _address_for(host: str) -> str:
-    """Where workers on other nodes reach node 0: the rendezvous host when it is this
-    machine, else this machine's name."""
-    if _is_loopback(host) or host in _local_addresses():
+def reachable_address(host: str) -> str:
+    """This machine's address on the route to `host`: what the other nodes reach it by.
+    Loopback when `host` is loopback (every node on this machine)."""
+    if _is_loopback(host):
         return host
-    return socket.getfqdn()
+    try:
+        family, _, _, _, target = socket.getaddrinfo(host, 1, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)  # a UDP "connect" sends nothing: it only picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.getfqdn()
 
 
 def bind_host(addr: str) -> str:
@@ -217,12 +296,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _local_addresses() -> set[str]:
-    try:
-        import psutil
-
-        return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
-    except Exception:
-        return set()

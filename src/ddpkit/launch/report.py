@@ -54,6 +54,9 @@ class Outcome:
     root_rank: int | None = None
     text: str = ""
     details: str = ""
+    restartable: bool = True  # --max-restarts may start the group again after this
+    from_node: int | None = None  # another node said why (its Abort); None: this node knows
+    victim: bool = False  # every failed rank lost a peer: the cause may be on another node
 
     @classmethod
     def success(cls) -> Outcome:
@@ -65,6 +68,7 @@ class Outcome:
             ok=False,
             exit_code=code,
             interrupted=True,
+            restartable=False,
             summary=f"stopped by {name}: every rank was stopped",
         )
 
@@ -79,6 +83,22 @@ class Outcome:
         return cls(ok=False, exit_code=1, summary=summary)
 
     @classmethod
+    def node_lost(cls, summary: str) -> Outcome:
+        """Another node is gone (or node 0 is, to this node): the job cannot go on."""
+        return cls(ok=False, exit_code=1, summary=summary, restartable=False)
+
+    @classmethod
+    def other_node(cls, abort: Any) -> Outcome:
+        """Another node stopped the job and published why (a `liveness.Abort`)."""
+        return cls(
+            ok=False,
+            exit_code=abort.code,
+            summary=abort.why,
+            restartable=abort.restart,
+            from_node=abort.node,
+        )
+
+    @classmethod
     def rank_failed(cls, failed: list[Any], state_dir: Path) -> Outcome:
         errors = {
             w.rank: error for w in failed if (error := protocol.read_error(state_dir, w.rank))
@@ -91,6 +111,7 @@ class Outcome:
             return any(word in error.message for word in VICTIM_WORDS), error.time
 
         root = min(failed, key=order)
+        victim = order(root)[0] is True
         summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
         if root.rank in errors:
             message = errors[root.rank].message
@@ -101,6 +122,7 @@ class Outcome:
             exit_code=exit_code_of(root.exit_code),
             summary=summary,
             root_rank=root.rank,
+            victim=victim,
         )
 
     def finalize(self, workers: list[Any], run_dir: Path, state_dir: Path) -> None:
@@ -111,6 +133,10 @@ class Outcome:
         if mismatch:
             self.summary = f"{mismatch} (first reported: {self.summary})"
         title = "the job hung" if self.details else "the job failed"
+        if self.interrupted:
+            title = "the job was stopped"
+        elif self.from_node is not None:
+            title += f" on node {self.from_node}"
         lines = ["", f"ddpkit: {title}", f"  root cause: {self.summary}"]
         if self.details:
             lines.append(self.details)
@@ -139,6 +165,7 @@ MISMATCH_WORDS = (
     "mismatch between collectives",
     "collective mismatch",
     "Received data size doesn't match",
+    "op.preamble.length <= op.nbytes",  # gloo before torch 2.5: sizes differ across ranks
 )
 
 

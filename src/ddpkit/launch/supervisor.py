@@ -18,8 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,12 @@ import psutil
 
 import ddpkit
 from ddpkit import procs, protocol
-from ddpkit.errors import LaunchError
-from ddpkit.launch import hang, report
+from ddpkit.launch import crossnode, hang, report
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.nodes import NodeGroup, bind_host, join
+from ddpkit.launch.hang import HANG_EXIT_CODE
+from ddpkit.launch.liveness import BEAT, Abort, Liveness
+from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup, join
 from ddpkit.launch.output import RankOutput
-from ddpkit.launch.ports import listen
 
 PR_SET_CHILD_SUBREAPER = 36
 POLL = 0.05
@@ -41,7 +40,6 @@ POLL = 0.05
 @dataclass
 class Worker:
     rank: int
-    local_rank: int
     proc: subprocess.Popen[bytes]
     output: RankOutput
     exit_code: int | None = None
@@ -59,57 +57,75 @@ class Signals:
 
     count: int = 0
     last: int = 0
-    times: list[float] = field(default_factory=list)
 
     def handle(self, signum: int, frame: Any) -> None:
         self.count += 1
         self.last = signum
-        self.times.append(time.monotonic())
 
 
 def launch(cfg: LaunchConfig) -> int:
     """Run the job described by `cfg`; return the exit code for `ddpkit run`."""
     _become_subreaper()
     if cfg.multi_node:
-        meet = cfg.rdzv or f"{cfg.master_addr}:{cfg.master_port + 1}"
+        meet = cfg.rdzv or f"{cfg.master_addr}:{cfg.master_port}"
         _say(f"waiting up to {cfg.init_timeout:g} s for {cfg.nnodes} nodes to meet at {meet}")
     node = join(cfg)  # before our handlers: Ctrl+C while waiting for nodes just stops
     signals = Signals()
     previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    run_dir = make_run_dir(cfg, node)
-    world = cfg.nproc_per_node * node.nnodes
-    backend = {"gloo": "gloo on CPU", "nccl": "nccl"}.get(cfg.backend, "auto backend")
-    _say(
-        f"run {node.run_id}: {cfg.nproc_per_node} process(es) on this node"
-        f"{f' (node {node.group_rank} of {node.nnodes})' if node.nnodes > 1 else ''}, "
-        f"world size {world}, {backend}; logs in {run_dir}"
-    )
-    watchdog = _start_watchdog(node.run_id, cfg.grace)
-    node.start_heartbeat()
+    watchdog = None
     code = 1
     try:
-        for attempt in range(cfg.max_restarts + 1):
-            outcome = _run_attempt(cfg, node, run_dir, attempt, signals, watchdog)
+        run_dir = make_run_dir(cfg, node)
+        _say_start(cfg, node, run_dir)
+        watchdog = _start_watchdog(node.run_id, cfg.grace)
+        attempt = 0
+        while True:
+            live = Liveness(node, cfg.node_timeout)
+            live.start()
+            outcome = _run_attempt(cfg, node, live, run_dir, attempt, signals, watchdog)
             code = outcome.exit_code
             if outcome.ok:
-                node.finish()
+                crossnode.finish(node, live)
                 break
             print(outcome.text, file=sys.stderr, flush=True)
-            if signals.count or outcome.interrupted or attempt == cfg.max_restarts:
-                node.abort(outcome.summary)
+            live.stop(0.5)
+            if not _restarts(cfg, outcome, attempt, signals):
                 break
-            _say(f"restarting the whole group ({attempt + 1} of {cfg.max_restarts})")
+            attempt += 1
+            _say(f"restarting the whole group ({attempt} of {cfg.max_restarts})")
+            node = crossnode.next_round(cfg, node)
     finally:
-        node.stop()
-        _finish_watchdog(watchdog)
+        node.close()
+        if watchdog is not None:
+            _finish_watchdog(watchdog)
         for s, handler in previous.items():
             signal.signal(s, handler)
     return code
 
 
+def _restarts(cfg: LaunchConfig, outcome: report.Outcome, attempt: int, signals: Signals) -> bool:
+    return outcome.restartable and not signals.count and attempt < cfg.max_restarts
+
+
+def _say_start(cfg: LaunchConfig, node: NodeGroup, run_dir: Path) -> None:
+    world = cfg.nproc_per_node * node.nnodes
+    backend = {"gloo": "gloo on CPU", "nccl": "nccl"}.get(cfg.backend, "auto backend")
+    where = ""
+    if node.multi_node:
+        where = (
+            f" (node {node.group_rank} of {node.nnodes}, {node.host}; store at "
+            f"{node.master_addr}:{node.master_port})"
+        )
+    _say(
+        f"run {node.run_id}: {cfg.nproc_per_node} process(es) on this node{where}, "
+        f"world size {world}, {backend}; logs in {run_dir}"
+    )
+
+
 def _run_attempt(
     cfg: LaunchConfig,
     node: NodeGroup,
+    live: Liveness,
     run_dir: Path,
     attempt: int,
     signals: Signals,
@@ -117,32 +133,27 @@ def _run_attempt(
 ) -> report.Outcome:
     state_dir = run_dir / f"state{attempt}"
     state_dir.mkdir(mode=0o700)
-    sock = None
-    if node.hosts_store:
-        sock = listen(bind_host(node.master_addr), cfg.master_port)
-        port = sock.getsockname()[1]
-        node.publish(f"master_port/{attempt}", str(port))
-    else:
-        port = cfg.master_port or int(node.fetch(f"master_port/{attempt}"))
     workers: list[Worker] = []
-    store = None
     try:
         for local_rank in range(cfg.nproc_per_node):
             rank = node.group_rank * cfg.nproc_per_node + local_rank
-            env = worker_env(cfg, node, rank, local_rank, port, attempt, state_dir)
-            workers.append(_start_worker(cfg, rank, local_rank, env, run_dir))
+            env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
+            workers.append(_start_worker(cfg, rank, env, run_dir))
             _tell_watchdog(watchdog, f"group {workers[-1].pgid}")
-        if sock is not None:  # hand the held port to the store the workers will meet at
-            store = _serve_store(sock, node.master_addr, port, cfg.init_timeout)
-            sock = None
-        outcome = _supervise(cfg, node, workers, state_dir, signals)
+        node.serve_store(cfg.init_timeout)  # one node: the workers' connections wait till now
+        outcome = _supervise(cfg, node, live, workers, state_dir, signals)
+        if node.multi_node and outcome.from_node is None and not outcome.ok:
+            # this node knows why: the others stop for the same reason, before this node's
+            # ranks go and theirs fail for want of a peer
+            why = f"node {node.group_rank} ({node.host}): {outcome.summary}"
+            others = outcome.exit_code if outcome.exit_code == HANG_EXIT_CODE else 1
+            restart = _restarts(cfg, outcome, attempt, signals)
+            limit = 0.5 if signals.count else CALL_LIMIT
+            crossnode.publish_abort(node, Abort(node.group_rank, why, others, restart), limit)
     finally:
         _stop_workers(workers, cfg.grace, signals, node.run_id)
         for w in workers:
             w.output.close()
-        if sock is not None:
-            sock.close()
-        del store
         _reap_orphans({w.proc.pid for w in workers})
     outcome.finalize(workers, run_dir, state_dir)
     return outcome
@@ -153,7 +164,6 @@ def worker_env(
     node: NodeGroup,
     rank: int,
     local_rank: int,
-    port: int,
     attempt: int,
     state_dir: Path,
 ) -> dict[str, str]:
@@ -172,7 +182,7 @@ def worker_env(
             "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default",
             "MASTER_ADDR": node.master_addr,
-            "MASTER_PORT": str(port),
+            "MASTER_PORT": str(node.master_port),
             "TORCHELASTIC_RUN_ID": node.run_id,
             "TORCHELASTIC_RESTART_COUNT": str(attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
@@ -205,9 +215,7 @@ def worker_env(
     return env
 
 
-def _start_worker(
-    cfg: LaunchConfig, rank: int, local_rank: int, env: dict[str, str], run_dir: Path
-) -> Worker:
+def _start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path) -> Worker:
     cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *cfg.args]
     proc = subprocess.Popen(
         cmd,
@@ -222,40 +230,20 @@ def _start_worker(
     if proc.stdout is None or proc.stderr is None:
         raise RuntimeError("worker pipes missing")
     output.start(proc.stdout, proc.stderr)
-    return Worker(rank, local_rank, proc, output)
-
-
-def _serve_store(sock: Any, addr: str, port: int, timeout: float) -> Any:
-    """The workers' TCPStore, listening on the socket the launcher already holds."""
-    import torch.distributed as dist
-
-    fd = sock.detach()
-    for use_libuv in (True, False):  # older torch takes a listen fd only without libuv
-        try:
-            return dist.TCPStore(
-                addr,
-                port,
-                None,
-                True,
-                timedelta(seconds=timeout),
-                wait_for_workers=False,
-                master_listen_fd=fd,
-                use_libuv=use_libuv,
-            )
-        except (RuntimeError, ValueError):
-            continue
-    os.close(fd)
-    raise LaunchError(
-        f"could not start the job's store on {addr}:{port}",
-        fix="pass --master-port with a free port",
-    )
+    return Worker(rank, proc, output)
 
 
 def _supervise(
-    cfg: LaunchConfig, node: NodeGroup, workers: list[Worker], state_dir: Path, signals: Signals
+    cfg: LaunchConfig,
+    node: NodeGroup,
+    live: Liveness,
+    workers: list[Worker],
+    state_dir: Path,
+    signals: Signals,
 ) -> report.Outcome:
     next_init_check = 0.0
-    watch = hang.HangWatch(workers, state_dir, cfg.hang_timeout)
+    watch = hang.HangWatch(workers, state_dir, cfg.hang_timeout, live if node.multi_node else None)
+    answered_hang = False
     while True:
         now = time.monotonic()
         for w in workers:
@@ -273,22 +261,56 @@ def _supervise(
             for w in workers:
                 if w.exit_code is None and (code := w.proc.poll()) is not None:
                     w.exit_code, w.ended_wall = code, time.time()
-            return report.Outcome.rank_failed(
+            outcome = report.Outcome.rank_failed(
                 [w for w in workers if w.exit_code not in (None, 0)], state_dir
             )
+            if node.multi_node and outcome.victim:
+                return _cause_elsewhere(outcome, node, live, signals, cfg.node_timeout)
+            return outcome
+        if live.abort is not None and live.abort.node != node.group_rank:
+            return report.Outcome.other_node(live.abort)
+        if live.lost:
+            return report.Outcome.node_lost(live.lost)
         if all(w.exit_code == 0 for w in workers):
             return report.Outcome.success()
-        if node.lost:
-            return report.Outcome.launcher_failure(f"another node failed: {node.lost}")
+        if live.hang_asked and not answered_hang:
+            answered_hang = True
+            crossnode.publish_places(node, *hang.collect(workers, state_dir))
         if watch.hung(now):
-            line, details = hang.describe(workers, state_dir, watch.stalled_for(now))
-            return report.Outcome.hang(line, details)
+            return _hang_outcome(node, workers, state_dir, watch.stalled_for(now), cfg)
         if now >= next_init_check:
             next_init_check = now + 0.5
             missing = _missing_at_init(workers, state_dir, cfg.init_timeout)
             if missing:
                 return report.Outcome.launcher_failure(missing)
         time.sleep(POLL)
+
+
+def _cause_elsewhere(
+    outcome: report.Outcome, node: NodeGroup, live: Liveness, signals: Signals, bound: float
+) -> report.Outcome:
+    """This node's ranks failed only because a peer went away: wait (up to the node timeout)
+    for the other nodes' word on why, and report that instead."""
+    deadline = time.monotonic() + bound + BEAT
+    while time.monotonic() < deadline and not signals.count:
+        if live.abort is not None and live.abort.node != node.group_rank:
+            return report.Outcome.other_node(live.abort)
+        if live.lost:
+            return report.Outcome.node_lost(live.lost)
+        time.sleep(POLL)
+    return outcome
+
+
+def _hang_outcome(
+    node: NodeGroup, workers: list[Worker], state_dir: Path, stall: float, cfg: LaunchConfig
+) -> report.Outcome:
+    if not node.multi_node:
+        line, details = hang.describe(workers, state_dir, stall)
+        return report.Outcome.hang(line, details)
+    crossnode.ask_places(node)
+    places, details = hang.collect(workers, state_dir)
+    every, hosts, text = crossnode.collect_places(node, places, details, cfg.nproc_per_node)
+    return report.Outcome.hang(crossnode.hang_line(every, hosts, stall), text)
 
 
 ERROR_EXIT_WAIT = 3.0

@@ -1,0 +1,136 @@
+"""What the nodes of one job do together: stop for one reason, meet again for a restart, end
+together, and say where every rank of every node is when the job stalls.
+
+All of it goes through the job's store on node 0, each call bounded. A node that fails
+publishes an `Abort` (why, the exit code for the others, whether the nodes meet again); every
+other node reads it within a beat (`ddpkit.launch.liveness`). At the end, node 0 (and the node
+that serves the rendezvous) wait for every node to say it is done before they take the stores
+away, and the others stop talking to the stores before they say so: no node sees a store
+vanish under it on a successful exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+from ddpkit.launch import hang
+from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.liveness import HANG_ASK, Abort, Liveness
+from ddpkit.launch.nodes import NodeGroup, _register, join_rdzv, serves_rendezvous
+from ddpkit.launch.store import StoreUnreachableError
+
+EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
+PLACES_WAIT = 15.0  # how long node 0 waits for the other nodes' stacks in a hang
+
+
+def publish_abort(node: NodeGroup, abort: Abort, limit: float) -> None:
+    """Tell every other node why the job stops (best effort, at most `limit` seconds)."""
+    if node.store is None:
+        return
+    with contextlib.suppress(StoreUnreachableError):
+        node.store.call("set", node.store.key("abort"), abort.to_json(), limit=limit)
+
+
+def finish(node: NodeGroup, live: Liveness) -> None:
+    """After this node's workers succeeded: leave without pulling a store from under anyone."""
+    if not node.multi_node or node.store is None:
+        return
+    host = node.group_rank == 0 or serves_rendezvous(node)
+    if not host:
+        live.stop()
+        _shutdown_rendezvous(node)
+    with contextlib.suppress(StoreUnreachableError):
+        node.store.add(f"done/{node.group_rank}", 1)
+    if host:
+        deadline = time.monotonic() + EXIT_BARRIER
+        while time.monotonic() < deadline and not live.lost and not _all_done(node):
+            time.sleep(0.2)
+        live.stop()
+        _shutdown_rendezvous(node)
+
+
+def _all_done(node: NodeGroup) -> bool:
+    assert node.store is not None  # noqa: S101 - several nodes
+    try:
+        names = [f"done/{n}" for n in range(node.nnodes)]
+        return all(node.store.counters(names))
+    except StoreUnreachableError:
+        return False
+
+
+def _shutdown_rendezvous(node: NodeGroup) -> None:
+    handler, node.rendezvous = node.rendezvous, None
+    if handler is not None:
+        from ddpkit.launch.store import bounded
+
+        with contextlib.suppress(Exception):
+            bounded(handler.shutdown, 5.0, "leaving the rendezvous")
+
+
+def next_round(cfg: LaunchConfig, node: NodeGroup) -> NodeGroup:
+    """Meet again after a failure: a new round of torch elastic's rendezvous (node ranks may
+    change; node 0 serves a new store), or, with static nodes, a new round on the same store."""
+    if node.rendezvous is not None:
+        node.store and node.store.close()
+        fresh = join_rdzv(cfg, node.rendezvous)
+        fresh.kept = [*node.kept, node.server]  # old stores live on until the job ends
+        return fresh
+    node.round += 1
+    _register(node, cfg, time.monotonic() + cfg.init_timeout)
+    return node
+
+
+# -- the hang watch across nodes ------------------------------------------------------------
+
+
+def ask_places(node: NodeGroup) -> None:
+    """Node 0: every node, say where your ranks are."""
+    if node.store is not None:
+        with contextlib.suppress(StoreUnreachableError):
+            node.store.set(HANG_ASK, "1")
+
+
+def publish_places(node: NodeGroup, places: dict[int, tuple[str, str]], details: str) -> None:
+    """Another node's answer to ask_places."""
+    if node.store is not None:
+        record = {"places": {str(r): list(p) for r, p in places.items()}, "details": details}
+        with contextlib.suppress(StoreUnreachableError):
+            node.store.set(f"hang/places/{node.group_rank}", json.dumps(record))
+
+
+def collect_places(
+    node: NodeGroup, own: dict[int, tuple[str, str]], own_details: str, ranks_per_node: int
+) -> tuple[dict[int, tuple[str, str]], dict[int, str], str]:
+    """Node 0: every node's places (rank -> (what, where)), every rank's host, and the details
+    text; a node that does not answer within PLACES_WAIT is named as such."""
+    places, hosts = dict(own), dict.fromkeys(own, node.host_of(0))
+    details = [f"  node 0 ({node.host_of(0)}):", own_details]
+    assert node.store is not None  # noqa: S101 - several nodes
+    deadline = time.monotonic() + PLACES_WAIT
+    waiting = set(range(1, node.nnodes))
+    answers: dict[int, dict] = {}
+    while waiting and time.monotonic() < deadline:
+        for n in sorted(waiting):
+            with contextlib.suppress(StoreUnreachableError):
+                if node.store.has(f"hang/places/{n}"):
+                    answers[n] = json.loads(node.store.get(f"hang/places/{n}"))
+                    waiting.discard(n)
+        time.sleep(0.2)
+    for n in range(1, node.nnodes):
+        first = n * ranks_per_node
+        if n in answers:
+            for rank, (what, site) in answers[n]["places"].items():
+                places[int(rank)], hosts[int(rank)] = (what, site), node.host_of(n)
+            details += [f"  node {n} ({node.host_of(n)}):", answers[n]["details"]]
+        else:
+            for rank in range(first, first + ranks_per_node):
+                places[rank] = ("did not answer", "")
+                hosts[rank] = node.host_of(n)
+            details.append(f"  node {n} ({node.host_of(n)}): did not say where its ranks are")
+    return places, hosts, "\n".join(details)
+
+
+def hang_line(places: dict[int, tuple[str, str]], hosts: dict[int, str], stall: float) -> str:
+    return f"no rank made progress for {stall:.0f} s: {hang.verdict(places, hosts)}"

@@ -1,0 +1,147 @@
+"""Whether the job's other nodes are still there, known without ever blocking the launcher.
+
+Every launcher adds one to its own counter in the job's store every BEAT seconds, through a
+client of its own (a thread here). Node 0, which serves the store, reads every node's counters
+in one call per beat; a node whose counter has not moved for `--node-timeout` is gone, and node
+0 publishes why in the `abort` key. Every other node reads only that key and writes only its
+own counters, so its cost does not grow with the number of nodes. A node that gets no answer
+from the store for `--node-timeout` (node 0's launcher killed, its machine gone, the link cut)
+has lost node 0 and says so in the same words. Every call is bounded (`ddpkit.launch.store`).
+
+The same thread carries the cross-node hang watch's traffic: each node adds to its `progress`
+counter when one of its ranks progressed; node 0 knows when any node last did, and asks every
+node where its ranks are (`hang/ask`) before it calls the job hung.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup
+from ddpkit.launch.store import BoundedStore, StoreUnreachableError
+
+BEAT = 1.0
+HANG_ASK = "hang/ask"
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Why the job stops on every node, published by the node that knows."""
+
+    node: int
+    why: str
+    code: int  # exit code for the nodes that stop because of it
+    restart: bool  # the nodes may meet again for another round (--max-restarts)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> Abort:
+        return cls(**json.loads(text))
+
+
+class Liveness:
+    """The beat thread of one node for one round."""
+
+    def __init__(self, node: NodeGroup, timeout: float) -> None:
+        self.node = node
+        self.timeout = timeout
+        self.lost: str | None = None  # a node is gone (set once)
+        self.abort: Abort | None = None  # what some node published
+        self.hang_asked = False
+        self.last_remote_progress = time.monotonic()  # node 0: any other node's ranks progressed
+        self.beats = 0
+        self.longest_gap = 0.0  # the longest time between two answered beats (measured)
+        self._progressed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ddpkit-liveness")
+        self._done_nodes: set[int] = set()
+        self.all_done = threading.Event()
+
+    def start(self) -> None:
+        if self.node.multi_node:
+            self._thread.start()
+
+    def stop(self, wait: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(wait)
+
+    def progressed(self) -> None:
+        """A rank of this node made progress (told by the hang watch, each sample)."""
+        self._progressed = True
+
+    def _run(self) -> None:
+        node = self.node
+        store = BoundedStore(
+            node.store_addr, node.master_port, min(CALL_LIMIT, self.timeout), node.store.prefix
+        )
+        me = node.group_rank
+        last_ok = time.monotonic()
+        seen: dict[str, tuple[int, float]] = {}
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                store.add(f"beat/{me}", 1)
+                if self._progressed:
+                    self._progressed = False
+                    store.add(f"progress/{me}", 1)
+                if me == 0:
+                    self._watch_nodes(store, seen)
+                elif not self.hang_asked and store.has(HANG_ASK):
+                    self.hang_asked = True
+                if self.abort is None and store.has("abort"):
+                    self.abort = Abort.from_json(store.get("abort"))
+                now = time.monotonic()
+                self.longest_gap = max(self.longest_gap, now - last_ok) if self.beats else 0.0
+                self.beats += 1
+                last_ok = now
+            except StoreUnreachableError as err:
+                if time.monotonic() - last_ok >= self.timeout and me != 0:
+                    self.lost = (
+                        f"node 0 ({node.host_of(0)}) is gone: the job's store at "
+                        f"{node.master_addr}:{node.master_port} has not answered for "
+                        f"{self.timeout:g} s ({err})"
+                    )
+                    return
+            if self.lost:
+                return
+            self._stop.wait(max(0.0, BEAT - (time.monotonic() - began)))
+
+    def _watch_nodes(self, store: BoundedStore, seen: dict[str, tuple[int, float]]) -> None:
+        """Node 0: every node's counters in one call; a counter that stopped is a lost node."""
+        others = range(1, self.node.nnodes)
+        names = [f"{kind}/{n}" for n in others for kind in ("beat", "progress", "done")]
+        values = dict(zip(names, store.counters(names), strict=True))
+        now = time.monotonic()
+        for name, value in values.items():
+            last = seen.get(name)
+            if last is None or value != last[0]:
+                seen[name] = (value, now)
+                if name.startswith("progress/") and last is not None:
+                    self.last_remote_progress = now
+        for n in others:
+            if values[f"done/{n}"]:
+                self._done_nodes.add(n)
+        if len(self._done_nodes) == self.node.nnodes - 1:
+            self.all_done.set()
+        for n in others:
+            if n in self._done_nodes:
+                continue
+            stalled = now - seen[f"beat/{n}"][1]
+            if stalled >= self.timeout:
+                self.lost = (
+                    f"node {n} ({self.node.host_of(n)}) is gone: its launcher has not answered "
+                    f"for {stalled:.0f} s (--node-timeout {self.timeout:g})"
+                )
+                # the other nodes stop for the same reason, in the same words
+                abort = Abort(0, self.lost, 1, restart=False)
+                try:
+                    store.set("abort", abort.to_json())
+                except StoreUnreachableError:
+                    pass
+                return

@@ -1,0 +1,152 @@
+"""Store calls that cannot hang the launcher.
+
+torch's TCPStore client has a timeout for `get`/`wait`, but nothing bounds a call whose peer is
+unreachable: with a link cut, `add` blocked for as long as the cut lasted (40 s here, measured
+across two network namespaces), and a launcher stuck there ignores Ctrl+C. Every call here
+runs on a thread of its own and the caller waits at most `limit` seconds; a call that does not
+return in time raises `StoreUnreachableError`, and the client is dropped (its thread may stay
+blocked in the kernel; it is a daemon and holds nothing else). The next call connects afresh.
+
+`serve` starts a TCPStore server on a socket the launcher already holds (no race for the
+port); `connect` makes a client. Nothing here imports torch until a store is made.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+class StoreUnreachableError(Exception):
+    """A store call did not answer within its bound, or the store refused the connection."""
+
+
+def bounded(fn: Callable[[], Any], limit: float, what: str) -> Any:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True, name=f"ddpkit-store-{what}")
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        raise StoreUnreachableError(f"{what} did not answer within {limit:g} s")
+    if "error" in box:
+        err = box["error"]
+        raise StoreUnreachableError(f"{what} failed: {type(err).__name__}: {err}") from err
+    return box.get("value")
+
+
+class BoundedStore:
+    """A client of the TCPStore at addr:port whose every call returns within `limit` seconds.
+    One instance per thread that uses it (calls are not interleaved on one connection)."""
+
+    def __init__(self, addr: str, port: int, limit: float, prefix: str = "") -> None:
+        self.addr, self.port, self.limit, self.prefix = addr, port, limit, prefix
+        self._client: Any = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+    def _connected(self) -> Any:
+        if self._client is None:
+            self._client = connect(self.addr, self.port, self.limit)
+        return self._client
+
+    def call(self, method: str, *args: Any, limit: float | None = None) -> Any:
+        bound = self.limit if limit is None else limit
+
+        def go() -> Any:
+            return getattr(self._connected(), method)(*args)
+
+        try:
+            return bounded(go, bound, f"{method} on the store at {self.where}")
+        except StoreUnreachableError:
+            self._client = None  # never reuse a connection that may be stuck mid-call
+            raise
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def set(self, name: str, value: str) -> None:
+        self.call("set", self.key(name), value)
+
+    def get(self, name: str, limit: float | None = None) -> str:
+        return bytes(self.call("get", self.key(name), limit=limit)).decode()
+
+    def add(self, name: str, amount: int) -> int:
+        return int(self.call("add", self.key(name), amount))
+
+    def has(self, name: str) -> bool:
+        return bool(self.call("check", [self.key(name)]))
+
+    def counters(self, names: list[str]) -> list[int]:
+        """Several counters in one round trip where this torch has multi_get."""
+        keys = [self.key(n) for n in names]
+        try:
+            values = self.call("multi_get", keys)
+        except StoreUnreachableError as err:
+            if not isinstance(err.__cause__, AttributeError):
+                raise
+            return [self.add(n, 0) for n in names]
+        return [int(bytes(v).decode() or 0) for v in values]
+
+    def close(self) -> None:
+        self._client = None
+
+
+def connect(addr: str, port: int, timeout: float) -> Any:
+    """A TCPStore client (waits up to `timeout` for the server to accept)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))
+
+
+def serve(sock: socket.socket, addr: str, timeout: float) -> Any:
+    """A TCPStore server on the listening socket the launcher holds; the socket is handed over."""
+    import torch.distributed as dist
+
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    # libuv's server takes a listening fd from torch 2.8 on (pytorch#150215); before, it logs
+    # an error first, so older torch goes straight to the legacy server
+    for use_libuv in (True, False) if _torch_at_least(2, 8) else (False,):
+        try:
+            return dist.TCPStore(
+                addr,
+                port,
+                None,
+                True,
+                timedelta(seconds=timeout),
+                wait_for_workers=False,
+                master_listen_fd=fd,
+                use_libuv=use_libuv,
+            )
+        except (RuntimeError, ValueError, TypeError):
+            continue
+    os.close(fd)
+    from ddpkit.errors import LaunchError
+
+    raise LaunchError(
+        f"could not start the job's store on {addr}:{port}",
+        fix="pass --master-port with a free port",
+    )
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    import torch
+
+    try:
+        have = tuple(int(p) for p in torch.__version__.split(".")[:2])
+    except ValueError:
+        return True
+    return have >= (major, minor)

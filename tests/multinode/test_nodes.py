@@ -1,0 +1,223 @@
+"""Several nodes, each a network namespace with its own address and hostname: jobs that meet
+through the rendezvous or statically, lost nodes, cut links, signals, restarts, and the hang
+watch across nodes. Every test checks that nothing of the job survives on any node."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ddpkit.procs import is_alive, processes_of_job
+from tests.multinode.cluster import Cluster, Proc, available
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(available() is not None, reason=f"no namespaces: {available()}"),
+]
+SCRIPT = Path(__file__).parent / "scripts" / "multinode.py"
+NODE_TIMEOUT = 4  # seconds; small so that tests are quick (the default is 10)
+GRACE = 1
+
+
+@pytest.fixture
+def two():
+    cluster = Cluster(2)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def three():
+    cluster = Cluster(3)
+    yield cluster
+    cluster.close()
+
+
+def run_on(cluster: Cluster, tmp: Path, args: list[str], nodes=None, env=None) -> list[Proc]:
+    """`ddpkit run ARGS` on every node (or the given ones), one run id for the job."""
+    run_id = "mn" + uuid.uuid4().hex[:6]
+    procs = []
+    for k in range(len(cluster.nodes)) if nodes is None else nodes:
+        cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id]
+        cmd += ["--log-dir", str(tmp / f"node{k}"), "--grace", str(GRACE)]
+        cmd += ["--node-timeout", str(NODE_TIMEOUT), *args]
+        procs.append(cluster.start(k, cmd, cwd=tmp, env=(env or {}).get(k)))
+    procs[0].run_id = run_id  # type: ignore[attr-defined]
+    return procs
+
+
+def rdzv(cluster: Cluster, nodes: int) -> list[str]:
+    return ["--nnodes", str(nodes), "--rdzv", f"{cluster.nodes[0].host}:29400", "-n", "2"]
+
+
+def assert_nothing_left(procs: list[Proc], timeout: float = 15) -> None:
+    run_id = procs[0].run_id  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in processes_of_job(run_id) if is_alive(p)]
+        launchers = [p for p in procs if p.popen.poll() is None]
+        if not left and not launchers:
+            return
+        time.sleep(0.1)
+    hosts = [p.node.host for p in launchers]
+    raise AssertionError(f"still alive: workers {left}, launchers on {hosts}")
+
+
+# what a C++ exception or a store pulled away mid-call prints
+TRACES = ("Traceback", "recvValue failed", "likely closed", "Exception raised from", "timed out")
+
+
+def assert_quiet(proc: Proc) -> None:
+    assert not [t for t in TRACES if t in proc.stderr], proc.stderr
+
+
+def assert_clean_success(procs: list[Proc], ranks: int) -> None:
+    codes = [p.finish() for p in procs]
+    text = "".join(p.stdout + p.stderr for p in procs)
+    assert codes == [0] * len(procs), text
+    addr = procs[0].node.addr
+    for rank in range(ranks):
+        assert f"rank {rank}] MASTER_ADDR={addr} " in text, text
+        assert f"rank {rank}] done" in text
+    for p in procs:  # a successful job ends quietly on every node
+        assert_quiet(p)
+    assert_nothing_left(procs)
+
+
+def test_two_nodes_meet_at_the_rendezvous_and_every_rank_dials_node_0(two, tmp_path):
+    assert_clean_success(run_on(two, tmp_path, [*rdzv(two, 2), str(SCRIPT), "2"]), 4)
+
+
+def test_three_nodes_meet_at_the_rendezvous(three, tmp_path):
+    assert_clean_success(run_on(three, tmp_path, [*rdzv(three, 3), str(SCRIPT), "2"]), 6)
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_static_nodes_form_one_job_and_end_without_a_trace(nodes, tmp_path):
+    cluster = Cluster(nodes)
+    try:
+        procs = []
+        run_id = "st" + uuid.uuid4().hex[:6]
+        for k in range(nodes):
+            cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id, "--grace", "1"]
+            cmd += ["--log-dir", str(tmp_path / f"node{k}"), "--nnodes", str(nodes)]
+            cmd += ["--node-rank", str(k), "--master-addr", "node0", "--master-port", "29500"]
+            cmd += ["-n", "2", str(SCRIPT), "2"]
+            procs.append(cluster.start(k, cmd, cwd=tmp_path))
+        procs[0].run_id = run_id  # type: ignore[attr-defined]
+        codes = [p.finish() for p in procs]
+        text = "".join(p.stdout + p.stderr for p in procs)
+        assert codes == [0] * nodes, text
+        assert text.count("MASTER_ADDR=node0 ") == 2 * nodes
+        for p in procs:
+            assert_quiet(p)
+        assert_nothing_left(procs)
+    finally:
+        cluster.close()
+
+
+def _running(cluster: Cluster, tmp_path: Path, nodes: int = 2) -> list[Proc]:
+    procs = run_on(cluster, tmp_path, [*rdzv(cluster, nodes), str(SCRIPT), "600", "--sleep", "1"])
+    for p in procs:
+        p.wait_for("Epoch 0", timeout=90)
+    return procs
+
+
+def _stopped_within(procs: list[Proc], bound: float) -> float:
+    began = time.monotonic()
+    for p in procs:
+        p.finish(bound + 30)
+    took = time.monotonic() - began
+    assert took < bound, f"took {took:.1f} s, bound {bound} s"
+    return took
+
+
+def test_a_killed_launcher_stops_every_other_node_with_its_name(two, tmp_path):
+    node0, node1 = _running(two, tmp_path)
+    node1.popen.send_signal(signal.SIGKILL)
+    _stopped_within([node0], NODE_TIMEOUT + GRACE + 4)
+    assert node0.popen.returncode == 1
+    assert "node 1 (node1) is gone" in node0.stderr
+    assert_nothing_left([node0, node1])
+
+
+def test_a_cut_link_stops_both_sides_with_the_same_words(two, tmp_path):
+    node0, node1 = _running(two, tmp_path)
+    two.cut(1)
+    _stopped_within([node0, node1], NODE_TIMEOUT + GRACE + 5)
+    assert "node 1 (node1) is gone" in node0.stderr
+    assert "node 0 (node0) is gone" in node1.stderr
+    assert_nothing_left([node0, node1])
+
+
+def test_sigterm_ends_a_node_whose_link_is_cut_within_grace(two, tmp_path):
+    node0, node1 = _running(two, tmp_path)
+    two.cut(1)
+    node1.popen.send_signal(signal.SIGTERM)
+    _stopped_within([node1], GRACE + 1.5)
+    assert node1.popen.returncode == 143
+    two.heal(1)
+    node0.finish(NODE_TIMEOUT + GRACE + 10)
+    assert_nothing_left([node0, node1])
+
+
+def test_a_failed_rank_stops_the_other_node_and_is_named(two, tmp_path):
+    procs = run_on(two, tmp_path, [*rdzv(two, 2), str(SCRIPT), "600", "--fail-rank", "3"])
+    codes = [p.finish() for p in procs]
+    assert codes == [1, 3], procs[0].stderr + procs[1].stderr
+    assert "node 1 (node1): rank 3 exited with code 3" in procs[0].stderr
+    assert_nothing_left(procs)
+
+
+def test_restarts_meet_again_through_the_rendezvous(two, tmp_path):
+    args = [*rdzv(two, 2), "--max-restarts", "1", str(SCRIPT), "2", "--fail-rank", "2"]
+    procs = run_on(two, tmp_path, args)
+    codes = [p.finish(120) for p in procs]
+    text = "".join(p.stdout + p.stderr for p in procs)
+    assert codes == [0, 0], text
+    assert "restarting the whole group (1 of 1)" in procs[0].stderr
+    assert "restarting the whole group (1 of 1)" in procs[1].stderr
+    for rank in range(4):
+        assert re.search(rf"rank {rank}\] MASTER_ADDR=\S+ MASTER_PORT=\d+ restart=1", text), text
+        assert f"rank {rank}] done" in text
+    assert_nothing_left(procs)
+
+
+def test_a_long_computation_on_one_node_is_not_a_hang(two, tmp_path):
+    args = [*rdzv(two, 2), "--hang-timeout", "3", str(SCRIPT), "2"]
+    args += ["--compute-rank", "0", "--compute-seconds", "9"]
+    procs = run_on(two, tmp_path, args)
+    assert [p.finish(120) for p in procs] == [0, 0], procs[1].stderr
+    assert_nothing_left(procs)
+
+
+def test_a_hang_is_named_across_nodes_with_host_names(two, tmp_path):
+    args = [*rdzv(two, 2), "--hang-timeout", "3", str(SCRIPT), "3", "--stall-rank", "2"]
+    procs = run_on(two, tmp_path, args)
+    codes = [p.finish(120) for p in procs]
+    assert codes == [124, 124], procs[0].stderr
+    verdict = next(line for line in procs[0].stderr.splitlines() if "root cause" in line)
+    stall = next(i for i, t in enumerate(SCRIPT.read_text().splitlines(), 1) if "600)" in t)
+    assert f"rank 2 on node1 is elsewhere: _run_epoch (multinode.py:{stall})" in verdict
+    assert "ranks 0,1 on node0 and 3 on node1 wait in all_reduce" in verdict, verdict
+    assert verdict.split("root cause: ")[1] in procs[1].stderr, "node 1 says the same"
+    assert_nothing_left(procs)
+
+
+def test_a_store_address_the_other_node_cannot_reach_is_its_own_verdict(two, tmp_path):
+    unreachable = two.nodes[0].addr.rsplit(".", 1)[0] + ".200"
+    args = [*rdzv(two, 2), "--init-timeout", "6", "--master-addr", unreachable, str(SCRIPT), "1"]
+    procs = run_on(two, tmp_path, args)
+    codes = [p.finish(60) for p in procs]
+    assert codes[1] == 1
+    assert codes[0] != 0
+    assert f"node 1 (node1) cannot reach the job's store at {unreachable}" in procs[1].stderr
+    assert "fix:" in procs[1].stderr
+    assert "node 1 never reached the job's store" in procs[0].stderr
+    assert_nothing_left(procs)
