@@ -220,3 +220,13 @@ def test_plot_without_matplotlib_is_a_clear_error_before_anything_starts(tmp_pat
     assert "--plot needs matplotlib" in out.stderr
     assert "pip install 'ddpkit[plot]'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "foreign"),
+    [(["ddp", "-g", "2"], "-g"), (["all_reduce", "--gpus", "2"], "--gpus")],
+)
+def test_a_flag_of_the_other_bench_is_refused(args, foreign):
+    out = bench(*args)
+    assert out.returncode == 2
+    assert f"unrecognized arguments: {foreign}" in out.stderr

@@ -160,9 +160,12 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def run(self, node: int, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    def run(
+        self, node: int, argv: list[str], timeout: float = 30, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
         cmd = self.argv(node, argv)
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        environment = {**os.environ, **(env or {})}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environment)
 
     def cut(self, node: int) -> None:
         """Node `node` loses its link to every other node (as a pulled cable)."""

@@ -184,7 +184,7 @@ def test_restarts_meet_again_through_the_rendezvous(two, tmp_path):
     assert "restarting the whole group (1 of 1)" in procs[0].stderr
     assert "restarting the whole group (1 of 1)" in procs[1].stderr
     for rank in range(4):
-        assert re.search(rf"rank {rank}\] MASTER_ADDR=\S+ MASTER_PORT=\d+ restart=1", text), text
+        assert re.search(rf"rank {rank}\] MASTER_ADDR=\S+ MASTER_PORT=\d+ restart=1 ", text), text
         assert f"rank {rank}] done" in text
     assert_nothing_left(procs)
 
@@ -221,3 +221,24 @@ def test_a_store_address_the_other_node_cannot_reach_is_its_own_verdict(two, tmp
     assert "fix:" in procs[1].stderr
     assert "node 1 never reached the job's store" in procs[0].stderr
     assert_nothing_left(procs)
+
+
+def test_a_node_that_joins_an_elastic_job_starts_a_new_round_for_all(two, tmp_path):
+    args = ["--nnodes", "1:2", "--rdzv", f"{two.nodes[0].host}:29400", "--rdzv-conf"]
+    args += ["last_call_timeout=1", "-n", "2", str(SCRIPT), "8", "--sleep", "1"]
+    (first,) = run_on(two, tmp_path, args, nodes=[0])
+    first.wait_for("Epoch 0", timeout=90)
+    assert "world=2" in first.stdout
+    run_id = first.run_id  # type: ignore[attr-defined]
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id, "--grace", str(GRACE)]
+    cmd += ["--log-dir", str(tmp_path / "node1"), "--node-timeout", str(NODE_TIMEOUT), *args]
+    second = two.start(1, cmd, cwd=tmp_path)
+    codes = [first.finish(120), second.finish(120)]
+    assert codes == [0, 0], first.stderr + second.stderr
+    assert "the job's nodes change (1 node(s) waiting to join)" in first.stderr
+    text = first.stdout + second.stdout
+    for rank in range(4):
+        assert f"rank {rank}] MASTER_ADDR=" in text
+        assert f"rank {rank}] done" in text
+    assert text.count("world=4") == 4, "every rank of the new round sees 4"
+    assert_nothing_left([first, second])

@@ -98,6 +98,12 @@ def test_run_flags_are_pinned():
             "--hang-timeout",
             "--hang_timeout",
             "--check-collectives",
+            "--node-timeout",
+            "--node_timeout",
+            "--local-addr",
+            "--local_addr",
+            "--rdzv-conf",
+            "--rdzv_conf",
         ]
     )
 

@@ -92,3 +92,13 @@ def test_user_code_in_folders_named_like_libraries_is_the_users():
 def test_a_collective_in_a_users_folder_named_distributed_is_not_torchs():
     mine = [Frame("/home/me/distributed/ops.py", 5, "all_reduce")]
     assert where(mine, None, None) == ("is elsewhere: all_reduce", "ops.py:5")
+
+
+def test_a_rank_blocked_in_backward_waits_in_ddps_all_reduce_at_the_backward_call():
+    tensor_py = frames._torch_dir() + "_tensor.py"
+    stack = [
+        Frame(tensor_py, 625, "backward"),
+        Frame("/home/me/train.py", 50, "_run_batch"),
+        Frame("/home/me/train.py", 80, "<module>"),
+    ]
+    assert where(stack, None, None) == ("wait in all_reduce", "train.py:50")

@@ -97,7 +97,10 @@ def test_gpu_without_gpus_is_refused(script, gpus):
         (["--nnodes", "2", "train.py"], "needs to know how the nodes meet"),
         (["--rdzv", "nohost", "--nnodes", "2", "train.py"], "is not HOST:PORT"),
         (["--ranks", "0,x", "train.py"], "is not a list of ranks"),
-        (["--nnodes", "2", "--rdzv", "h:1", "--max-restarts", "1", "train.py"], "not supported"),
+        (["--nnodes", "3:2", "--rdzv", "h:1", "train.py"], "MIN is larger than MAX"),
+        (["--nnodes", "1:2", "--node-rank", "0", "--master-port", "9", "train.py"], "needs --rdzv"),
+        (["--rdzv", "h:1", "--nnodes", "2", "--rdzv-conf", "x=1", "train.py"], "known key"),
+        (["--node-timeout", "0.2", "train.py"], "--node-timeout '0.2' must be at least 1"),
         (["--no-python", "no-such-program-xyz"], "not found on PATH"),
     ],
 )

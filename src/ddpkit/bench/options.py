@@ -67,12 +67,7 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "collective",
-        choices=(*COLLECTIVES, "ddp"),
-        metavar="COLLECTIVE",
-        help=f"one of: {', '.join(COLLECTIVES)}; or ddp (training throughput and scaling)",
-    )
+    """nccl-tests' flags, and where the ranks run (this node's count; several nodes)."""
     p.add_argument("-b", "--minbytes", default="32M", help="smallest size (default 32M)")
     p.add_argument("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
     p.add_argument("-i", "--stepbytes", default="1M", help="size increment (default 1M)")
@@ -108,18 +103,28 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peak", default="auto", help="link peak in GB/s one-way, or auto (NVLink/PCIe via NVML)"
     )
-    ddp = p.add_argument_group("ddp", "with `ddpkit bench ddp`")
-    ddp.add_argument(
+    nodes = p.add_argument_group("several nodes", "run the same command on every node")
+    nodes.add_argument("--nnodes", default="1", help="number of nodes (default 1)")
+    nodes.add_argument("--rdzv", help="HOST:PORT of the rendezvous, as `ddpkit run --rdzv`")
+    nodes.add_argument("--node-rank", help="this node's rank, for static nodes")
+    nodes.add_argument("--master-addr", help="node 0's address, for static nodes")
+    nodes.add_argument("--master-port", default="0", help="the job's store port")
+
+
+def add_ddp_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
         "--model", help="gpt, resnet, tiny or MODULE:FACTORY (default: gpt on GPUs, tiny on CPU)"
     )
-    ddp.add_argument("--gpus", help="rank counts, e.g. 1,2,4,8 (default: 1, 2, 4 ... all)")
-    ddp.add_argument("--batch", type=int, default=8, help="batch per rank (default 8)")
-    ddp.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    ddp.add_argument(
+    p.add_argument("--gpus", help="rank counts, e.g. 1,2,4,8 (default: 1, 2, 4 ... all)")
+    p.add_argument("--batch", type=int, default=8, help="batch per rank (default 8)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument(
         "--precision", help="bf16 (autocast) or fp32 (default: bf16 on GPUs, fp32 on CPU)"
     )
-    ddp.add_argument("--compile", action="store_true", help="torch.compile the model")
-    ddp.add_argument(
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot throughput and efficiency")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument(
         "--frameworks",
         action="store_true",
         help="also time Accelerate and Lightning Fabric (when installed), "

@@ -4,7 +4,6 @@ ddpkit) on every visible GPU, or on 2 CPU processes."""
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,12 +22,11 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.cli.run import start
     from ddpkit.launch import config
 
-    ns = argparse.Namespace(**{k.replace("-", "_"): v for k, (v, _) in config.OPTIONS.items()})
-    ns.nproc_per_node, ns.log_dir = args.nproc_per_node, args.log_dir
-    ns.module, ns.no_python = "ddpkit.examples.digits", False
-    ns.target = ["--epochs", str(args.epochs)]
-    for flag in ("grace", "init_timeout"):
-        var = f"DDPKIT_{flag.upper()}"
-        if var in os.environ:
-            setattr(ns, flag, os.environ[var])
-    return start(config.from_args(ns))
+    cfg = config.build(
+        "module",
+        "ddpkit.examples.digits",
+        ["--epochs", str(args.epochs)],
+        nproc_per_node=args.nproc_per_node,
+        log_dir=args.log_dir,
+    )
+    return start(cfg)

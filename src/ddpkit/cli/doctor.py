@@ -19,7 +19,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-smoke", action="store_true", help="skip the collective smoke test")
     p.add_argument("--strict", action="store_true", help="treat warnings as errors")
+    nodes = p.add_argument_group(
+        "several nodes", "run the same command on every node: the smoke test spans them all"
+    )
+    nodes.add_argument("--nnodes", default="1", help="number of nodes (default 1)")
+    nodes.add_argument("--rdzv", metavar="HOST:PORT", help="where the nodes meet")
+    nodes.add_argument("--node-rank", help="this node's rank, for static nodes")
+    nodes.add_argument("--master-addr", help="node 0's address, for static nodes")
+    nodes.add_argument("--master-port", help="the job's store port, for static nodes")
     p.set_defaults(handler=run)
+
+
+NODE_FLAGS = ("nnodes", "rdzv", "node_rank", "master_addr", "master_port")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +42,14 @@ def run(args: argparse.Namespace) -> int:
     if args.script:
         findings += script.scan(args.script)
         findings.sort(key=lambda f: checks.LEVELS.index(f.level))  # problems first
-    smoke = None if args.no_smoke else smoke_test(len(found.gpus))
+    spread = [
+        f"--{flag.replace('_', '-')}={value}"
+        for flag in NODE_FLAGS
+        if (value := getattr(args, flag)) is not None and (flag, value) != ("nnodes", "1")
+    ]
+    smoke = None if args.no_smoke else smoke_test(len(found.gpus), spread)
+    if smoke is not None and smoke.get("ok"):
+        findings[:0] = checks.across_nodes(smoke.get("nodes", []))
     if smoke is not None and not smoke.get("ok"):
         findings.insert(
             0,
@@ -63,12 +81,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if errors or (args.strict and warnings) else 0
 
 
-def smoke_test(gpus: int) -> dict[str, Any]:
-    """All-reduce across every local GPU (or 2 CPU ranks) through ddpkit run, bounded."""
+def smoke_test(gpus: int, spread: list[str] | None = None) -> dict[str, Any]:
+    """All-reduce across every local GPU (or 2 CPU ranks) through ddpkit run, bounded; with
+    `spread` (--nnodes/--rdzv/...) across every node's."""
     from ddpkit.launch.subjob import run_job
 
     job = run_job(
         [
+            *(spread or []),
             "-n",
             "gpu" if gpus else "cpu",
             "--init-timeout",
@@ -77,8 +97,7 @@ def smoke_test(gpus: int) -> dict[str, Any]:
             "30",
             "--grace",
             "2",
-            "--ranks",
-            "0",
+            *([] if spread else ["--ranks", "0"]),
             "-m",
             "ddpkit.doctor.smoke",
         ],
@@ -163,6 +182,12 @@ def render(
                 f"({smoke['backend']}): correct; {smoke['bytes'] // 2**20} MiB in "
                 f"{smoke['time_us']:.0f} us, busbw {smoke['busbw_gbps']} GB/s"
             )
+            if len(smoke.get("nodes", [])) > 1:
+                lines += [
+                    f"  node {n['host']}: torch {n['torch']}, NCCL {n['nccl'] or '-'}, driver "
+                    f"{n['driver'] or '-'}, reaches node 0 from {n['address']} ({n['interface']})"
+                    for n in smoke["nodes"]
+                ]
         else:
             lines.append(f"smoke test   FAILED: {smoke['what']}")
             lines += ["  | " + x for x in str(smoke.get("output", "")).splitlines()[-15:]]

@@ -451,3 +451,28 @@ def oversubscription(facts: Facts, env: dict[str, str]) -> list[Finding]:
             )
         ]
     return []
+
+
+def across_nodes(nodes: list[dict[str, Any]]) -> list[Finding]:
+    """Versions that differ between the nodes of one job (from the smoke test's gather)."""
+    findings = []
+    for key, name, level in (
+        ("torch", "torch", "error"),
+        ("nccl", "NCCL", "error"),
+        ("cuda", "torch's CUDA", "error"),
+        ("driver", "the NVIDIA driver", "warning"),
+    ):
+        seen = {str(n.get(key)): n["host"] for n in nodes}
+        if len(seen) > 1:
+            each = ", ".join(f"{host} {value}" for value, host in seen.items())
+            findings.append(
+                Finding(
+                    level,
+                    "nodes",
+                    f"{name} differs across nodes: {each}",
+                    "ranks built against different versions can disagree on collectives "
+                    "and hang or fail mid-job",
+                    f"install the same {name} version on every node",
+                )
+            )
+    return findings

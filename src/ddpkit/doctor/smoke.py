@@ -1,10 +1,13 @@
 """The doctor's smoke test, one rank of it: an all_reduce whose exact result is known, then
-one large all_reduce timed. Rank 0 prints one `DDPKIT_SMOKE {json}` line.
+one large all_reduce timed, and every node's versions and network facts gathered. Local rank 0
+of every node prints one `DDPKIT_SMOKE {json}` line (the same on every node).
 `ddpkit doctor` starts it through the launcher, with hard time bounds."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 
 import torch
@@ -37,7 +40,8 @@ def main() -> None:
         algbw = size / us / 1e3
         busbw = algbw * (2 * (n - 1) / n if n > 1 else 1)
         wrong = s.reduce(wrong, op="sum")  # every rank takes part, not only rank 0
-        if s.is_main:
+        nodes = {f["host"]: f for f in s.gather(node_facts(s.backend))}
+        if s.local_rank == 0:
             print(
                 "DDPKIT_SMOKE "
                 + json.dumps(
@@ -48,10 +52,42 @@ def main() -> None:
                         "bytes": size,
                         "time_us": round(us, 1),
                         "busbw_gbps": round(busbw, 2),
+                        "nodes": list(nodes.values()),
                     }
                 ),
                 flush=True,
             )
+
+
+def node_facts(backend: str) -> dict[str, object]:
+    """What must match across nodes, and how this node reaches node 0."""
+    from ddpkit.network import address_toward, interface_of
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    address = address_toward(master)
+    nccl = None
+    if backend == "nccl":
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    driver = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+        pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    return {
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "driver": driver,
+        "address": address,
+        "interface": os.environ.get(variable) or interface_of(address),
+    }
 
 
 if __name__ == "__main__":

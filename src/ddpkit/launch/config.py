@@ -20,7 +20,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.gpus import visible_gpu_count
 
 TargetKind = Literal["script", "module", "command"]
-__all__ = ["LaunchConfig", "add_options", "add_switches", "from_args", "replace"]
+__all__ = ["LaunchConfig", "add_options", "add_switches", "build", "from_args", "replace"]
 
 # flag -> (default, help); the environment variable is DDPKIT_ + flag in upper snake case.
 OPTIONS: dict[str, tuple[str | None, str]] = {
@@ -32,6 +32,11 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "nnodes": ("1", "number of nodes, or MIN:MAX for elastic membership with --rdzv"),
     "node-rank": (None, "this node's rank, with --master-addr (static multi-node)"),
     "rdzv": (None, "HOST:PORT of torch elastic's c10d rendezvous, for multi-node"),
+    "rdzv-conf": (
+        None,
+        "settings of the rendezvous as KEY=VALUE,... (torchrun's): join_timeout, "
+        "last_call_timeout, close_timeout, keep_alive_interval, keep_alive_max_attempt",
+    ),
     "master-addr": (
         None,
         "node 0's address as the other nodes reach it: static multi-node (default: loopback), "
@@ -82,7 +87,7 @@ class LaunchConfig:
     max_restarts: int = 0
     node_timeout: float = 10.0
     local_addr: str | None = None
-    last_call: float = 30.0  # with MIN < MAX: how long the rendezvous waits for more nodes
+    rdzv_conf: tuple[tuple[str, str], ...] = ()  # torch elastic's rendezvous settings
     grace: float = 5.0
     init_timeout: float = 300.0
     log_dir: Path | None = None
@@ -103,7 +108,7 @@ class LaunchConfig:
 
 def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     for flag, (default, text) in OPTIONS.items():
-        var = "DDPKIT_" + flag.upper().replace("-", "_")
+        var = variable(flag)
         names = [f"--{flag}"]
         if flag == "nproc-per-node":
             names = ["-n", "--nproc-per-node", "--nproc_per_node"]
@@ -120,9 +125,45 @@ def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> 
 
 def add_switches(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     for flag, text in SWITCHES.items():
-        var = "DDPKIT_" + flag.upper().replace("-", "_")
+        var = variable(flag)
         on = environ.get(var, "") not in ("", "0")
         parser.add_argument(f"--{flag}", action="store_true", default=on, help=f"{text} [${var}=1]")
+
+
+def variable(flag: str) -> str:
+    """The environment variable an option is also read from: DDPKIT_<OPTION>."""
+    return "DDPKIT_" + flag.upper().replace("-", "_")
+
+
+def build(
+    kind: TargetKind,
+    target: str,
+    args: tuple[str, ...] | list[str] = (),
+    environ: Mapping[str, str] | None = None,
+    **options: object,
+) -> LaunchConfig:
+    """The LaunchConfig `ddpkit run` would make with these options (by their dest name, e.g.
+    nproc_per_node="cpu"); every other option from its DDPKIT_<OPTION> variable or default.
+    For the commands that launch a job themselves (demo, bench, doctor)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {
+        flag.replace("-", "_"): env.get(variable(flag), default)
+        for flag, (default, _) in OPTIONS.items()
+    }
+    values.update(
+        {flag.replace("-", "_"): env.get(variable(flag), "") not in ("", "0") for flag in SWITCHES}
+    )
+    unknown = set(options) - set(values)
+    if unknown:
+        raise TypeError(f"unknown launch options: {sorted(unknown)}")
+    values.update({k: v for k, v in options.items() if v is not None})
+    namespace = argparse.Namespace(
+        **values,
+        module=target if kind == "module" else None,
+        no_python=kind == "command",
+        target=list(args) if kind == "module" else [target, *args],
+    )
+    return from_args(namespace, env)
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -152,6 +193,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         min_nodes=min_nodes,
         node_rank=node_rank,
         rdzv=_endpoint(args.rdzv) if args.rdzv else None,
+        rdzv_conf=_rdzv_conf(args.rdzv_conf) if args.rdzv_conf else (),
         master_addr=master_addr,
         master_port=master_port,
         max_restarts=max_restarts,
@@ -279,6 +321,35 @@ def _endpoint(text: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--rdzv {text!r} is not HOST:PORT", fix="e.g. --rdzv node0:29400")
     return text
+
+
+RDZV_SETTINGS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+    "timeout",
+    "is_host",
+)
+
+
+def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not part.strip():
+            continue
+        if not sep or key not in RDZV_SETTINGS or not value.strip():
+            raise ConfigError(
+                f"--rdzv-conf {text!r}: {part.strip()!r} is not KEY=VALUE with a known key",
+                fix=f"keys: {', '.join(RDZV_SETTINGS)}; e.g. --rdzv-conf last_call_timeout=5",
+            )
+        pairs.append((key, value.strip()))
+    return tuple(pairs)
 
 
 def _ranks(text: str) -> frozenset[int]:

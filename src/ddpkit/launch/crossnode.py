@@ -35,20 +35,29 @@ def publish_abort(node: NodeGroup, abort: Abort, limit: float) -> None:
 
 def finish(node: NodeGroup, live: Liveness) -> None:
     """After this node's workers succeeded: leave without pulling a store from under anyone."""
+    leave(node, live, EXIT_BARRIER)
+    _shutdown_rendezvous(node)
+
+
+def leave(node: NodeGroup, live: Liveness, wait: float) -> None:
+    """This node is done with the round (well or not). The nodes that serve a store wait, up
+    to `wait` seconds, until every node has said so, so that no node loses the store before it
+    has read why the job stops; the others stop talking to the stores, then say so."""
     if not node.multi_node or node.store is None:
+        live.stop(0.5)
         return
     host = node.group_rank == 0 or serves_rendezvous(node)
     if not host:
-        live.stop()
-        _shutdown_rendezvous(node)
+        live.stop(0.5)
+        if live.lost:  # node 0 is gone: there is no one to tell
+            return
     with contextlib.suppress(StoreUnreachableError):
-        node.store.add(f"done/{node.group_rank}", 1)
+        node.store.call("add", node.store.key(f"done/{node.group_rank}"), 1, limit=min(wait, 5))
     if host:
-        deadline = time.monotonic() + EXIT_BARRIER
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline and not live.lost and not _all_done(node):
-            time.sleep(0.2)
-        live.stop()
-        _shutdown_rendezvous(node)
+            time.sleep(0.1)
+        live.stop(0.5)
 
 
 def _all_done(node: NodeGroup) -> bool:
@@ -73,10 +82,11 @@ def next_round(cfg: LaunchConfig, node: NodeGroup) -> NodeGroup:
     """Meet again after a failure: a new round of torch elastic's rendezvous (node ranks may
     change; node 0 serves a new store), or, with static nodes, a new round on the same store."""
     if node.rendezvous is not None:
-        node.store and node.store.close()
-        fresh = join_rdzv(cfg, node.rendezvous)
-        fresh.kept = [*node.kept, node.server]  # old stores live on until the job ends
-        return fresh
+        if node.store is not None:
+            node.store.close()
+        # the stores of earlier rounds live on until the job ends: no node loses one mid-call
+        kept = [*node.kept, node.server] if node.server is not None else node.kept
+        return join_rdzv(cfg, node.rendezvous, kept)
     node.round += 1
     _register(node, cfg, time.monotonic() + cfg.init_timeout)
     return node

@@ -226,6 +226,9 @@ def where(
             return f"wait in {f.func}", site
     if any(module.startswith("utils/data/") for _, module in modules):
         return "wait for a DataLoader batch", site
+    if any(module == "_tensor.py" and f.func == "backward" for f, module in modules):
+        # still in backward with no CPU used: DDP's reducer all-reduces gradients in there
+        return "wait in all_reduce", site
     func = mine[0].func if mine else (rank_frames[0].func if rank_frames else "?")
     return f"is elsewhere: {func}", site
 

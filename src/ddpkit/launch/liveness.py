@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup
-from ddpkit.launch.store import BoundedStore, StoreUnreachableError
+from ddpkit.launch.store import BoundedStore, StoreUnreachableError, bounded
 
 BEAT = 1.0
 HANG_ASK = "hang/ask"
@@ -35,6 +35,7 @@ class Abort:
     why: str
     code: int  # exit code for the nodes that stop because of it
     restart: bool  # the nodes may meet again for another round (--max-restarts)
+    membership: bool = False  # nodes wait to join (--nnodes MIN:MAX): a new round, no failure
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -47,9 +48,10 @@ class Abort:
 class Liveness:
     """The beat thread of one node for one round."""
 
-    def __init__(self, node: NodeGroup, timeout: float) -> None:
+    def __init__(self, node: NodeGroup, timeout: float, elastic: bool = False) -> None:
         self.node = node
         self.timeout = timeout
+        self.elastic = elastic  # node 0 asks the rendezvous whether nodes wait to join
         self.lost: str | None = None  # a node is gone (set once)
         self.abort: Abort | None = None  # what some node published
         self.hang_asked = False
@@ -92,6 +94,8 @@ class Liveness:
                     store.add(f"progress/{me}", 1)
                 if me == 0:
                     self._watch_nodes(store, seen)
+                    if self.elastic and self.beats % 2 == 0:
+                        self._watch_membership(store)
                 elif not self.hang_asked and store.has(HANG_ASK):
                     self.hang_asked = True
                 if self.abort is None and store.has("abort"):
@@ -145,3 +149,18 @@ class Liveness:
                 except StoreUnreachableError:
                     pass
                 return
+
+    def _watch_membership(self, store: BoundedStore) -> None:
+        """Node 0, elastic jobs: nodes waiting at the rendezvous mean a new round for all, as
+        torchrun's agents do on `num_nodes_waiting() > 0`."""
+        handler = self.node.rendezvous
+        if handler is None or self.abort is not None:
+            return
+        try:
+            waiting = int(bounded(handler.num_nodes_waiting, CALL_LIMIT, "asking the rendezvous"))
+        except StoreUnreachableError:
+            return
+        if waiting:
+            abort = Abort(0, f"{waiting} node(s) waiting to join", 0, True, membership=True)
+            store.set("abort", abort.to_json())
+            self.abort = abort

@@ -15,7 +15,6 @@ Liveness and the end of a job: `ddpkit.launch.liveness`. Every store call is bou
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import socket
@@ -27,6 +26,7 @@ from ddpkit.errors import LaunchError
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.ports import listen
 from ddpkit.launch.store import BoundedStore, StoreUnreachableError, bounded, serve
+from ddpkit.network import address_toward, is_loopback
 
 CALL_LIMIT = 5.0  # seconds any one launcher store call may take once the job runs
 
@@ -96,12 +96,13 @@ def join(cfg: LaunchConfig) -> NodeGroup:
     return _join_static(cfg)
 
 
-def join_rdzv(cfg: LaunchConfig, rendezvous: Any) -> NodeGroup:
+def join_rdzv(cfg: LaunchConfig, rendezvous: Any, kept: list[Any] | None = None) -> NodeGroup:
     """A round of torch elastic's c10d rendezvous; node 0 then serves the job's store and
     publishes where, in the rendezvous store, as torch elastic's bootstrap store info does."""
     assert cfg.rdzv is not None  # noqa: S101 - checked by the caller
     if rendezvous is None:
         rendezvous = _rendezvous_handler(cfg)
+    kept = [] if kept is None else kept
     deadline = time.monotonic() + cfg.init_timeout
     try:
         info = rendezvous.next_rendezvous()
@@ -119,13 +120,18 @@ def join_rdzv(cfg: LaunchConfig, rendezvous: Any) -> NodeGroup:
     key = "ddpkit/job"  # the rendezvous store torch hands out is already this round's
     rdzv_host = cfg.rdzv.rpartition(":")[0]
     node = NodeGroup(
-        group_rank=rank, nnodes=world, round=round_, rendezvous=rendezvous, rdzv_host=rdzv_host
+        group_rank=rank,
+        nnodes=world,
+        round=round_,
+        rendezvous=rendezvous,
+        rdzv_host=rdzv_host,
+        kept=kept,
     )
     if rank == 0:
         addr = (
             cfg.master_addr
             if cfg.master_addr_given
-            else cfg.local_addr or reachable_address(rdzv_host)
+            else cfg.local_addr or address_toward(rdzv_host)
         )
         _serve_job_store(node, cfg, addr)
         record = json.dumps({"addr": addr, "port": node.master_port, "run_id": cfg.run_id})
@@ -163,7 +169,8 @@ def _join_static(cfg: LaunchConfig) -> NodeGroup:
 
 def _serve_job_store(node: NodeGroup, cfg: LaunchConfig, addr: str) -> None:
     bind = bind_host(addr)
-    sock = listen(bind, cfg.master_port)
+    # a later round on the same launcher: the first round's store keeps the fixed port
+    sock = listen(bind, 0 if node.kept else cfg.master_port)
     node.master_addr, node.master_port = addr, sock.getsockname()[1]
     # the server's own client dials it on loopback: the advertised address is for the others
     node.server = serve(sock, bind or "127.0.0.1", CALL_LIMIT)
@@ -252,6 +259,7 @@ def _rendezvous_handler(cfg: LaunchConfig) -> Any:
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     assert cfg.rdzv is not None  # noqa: S101 - checked by the caller
+    settings = {"join_timeout": str(int(cfg.init_timeout)), **dict(cfg.rdzv_conf)}
     params = RendezvousParameters(
         backend="c10d",
         endpoint=cfg.rdzv,
@@ -259,8 +267,7 @@ def _rendezvous_handler(cfg: LaunchConfig) -> Any:
         min_nodes=cfg.min_nodes,
         max_nodes=cfg.nnodes,
         local_addr=cfg.local_addr,
-        join_timeout=str(int(cfg.init_timeout)),
-        last_call_timeout=str(int(cfg.last_call)),
+        **settings,
     )
     try:
         return get_rendezvous_handler(params)
@@ -272,27 +279,6 @@ def _rendezvous_handler(cfg: LaunchConfig) -> Any:
         ) from err
 
 
-def reachable_address(host: str) -> str:
-    """This machine's address on the route to `host`: what the other nodes reach it by.
-    Loopback when `host` is loopback (every node on this machine)."""
-    if _is_loopback(host):
-        return host
-    try:
-        family, _, _, _, target = socket.getaddrinfo(host, 1, proto=socket.IPPROTO_UDP)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(target)  # a UDP "connect" sends nothing: it only picks the route
-            return str(probe.getsockname()[0])
-    except OSError:
-        return socket.getfqdn()
-
-
 def bind_host(addr: str) -> str:
     """Listen on loopback only, unless the job spans machines."""
-    return addr if _is_loopback(addr) else ""
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    return addr if is_loopback(addr) else ""

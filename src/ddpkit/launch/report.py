@@ -57,6 +57,7 @@ class Outcome:
     restartable: bool = True  # --max-restarts may start the group again after this
     from_node: int | None = None  # another node said why (its Abort); None: this node knows
     victim: bool = False  # every failed rank lost a peer: the cause may be on another node
+    membership: bool = False  # nodes joined (--nnodes MIN:MAX): a new round, not a failure
 
     @classmethod
     def success(cls) -> Outcome:
@@ -96,6 +97,7 @@ class Outcome:
             summary=abort.why,
             restartable=abort.restart,
             from_node=abort.node,
+            membership=abort.membership,
         )
 
     @classmethod

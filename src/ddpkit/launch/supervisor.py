@@ -26,6 +26,7 @@ import psutil
 
 import ddpkit
 from ddpkit import procs, protocol
+from ddpkit.errors import debug_enabled
 from ddpkit.launch import crossnode, hang, report
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.hang import HANG_EXIT_CODE
@@ -78,21 +79,28 @@ def launch(cfg: LaunchConfig) -> int:
         run_dir = make_run_dir(cfg, node)
         _say_start(cfg, node, run_dir)
         watchdog = _start_watchdog(node.run_id, cfg.grace)
-        attempt = 0
+        attempt, rounds = 0, 0
         while True:
-            live = Liveness(node, cfg.node_timeout)
+            live = Liveness(node, cfg.node_timeout, elastic=cfg.min_nodes < cfg.nnodes)
             live.start()
-            outcome = _run_attempt(cfg, node, live, run_dir, attempt, signals, watchdog)
-            code = outcome.exit_code
+            state_dir = run_dir / f"state{rounds}"
+            outcome = _run_attempt(cfg, node, live, state_dir, attempt, signals, watchdog)
+            code, rounds = outcome.exit_code, rounds + 1
+            if node.multi_node and debug_enabled():
+                _say(f"liveness: {live.beats} beats, longest gap {live.longest_gap:.2f} s")
             if outcome.ok:
                 crossnode.finish(node, live)
                 break
-            print(outcome.text, file=sys.stderr, flush=True)
-            live.stop(0.5)
-            if not _restarts(cfg, outcome, attempt, signals):
-                break
-            attempt += 1
-            _say(f"restarting the whole group ({attempt} of {cfg.max_restarts})")
+            # a node that serves a store waits for the others to read why (bounded)
+            crossnode.leave(node, live, 1.0 if signals.count else cfg.node_timeout)
+            if outcome.membership and not signals.count:
+                _say(f"the job's nodes change ({outcome.summary}): every node starts again")
+            else:
+                print(outcome.text, file=sys.stderr, flush=True)
+                if not _restarts(cfg, outcome, attempt, signals):
+                    break
+                attempt += 1
+                _say(f"restarting the whole group ({attempt} of {cfg.max_restarts})")
             node = crossnode.next_round(cfg, node)
     finally:
         node.close()
@@ -126,12 +134,12 @@ def _run_attempt(
     cfg: LaunchConfig,
     node: NodeGroup,
     live: Liveness,
-    run_dir: Path,
+    state_dir: Path,
     attempt: int,
     signals: Signals,
     watchdog: subprocess.Popen[bytes],
 ) -> report.Outcome:
-    state_dir = run_dir / f"state{attempt}"
+    run_dir = state_dir.parent
     state_dir.mkdir(mode=0o700)
     workers: list[Worker] = []
     try:
@@ -267,7 +275,7 @@ def _supervise(
             if node.multi_node and outcome.victim:
                 return _cause_elsewhere(outcome, node, live, signals, cfg.node_timeout)
             return outcome
-        if live.abort is not None and live.abort.node != node.group_rank:
+        if live.abort is not None and (live.abort.node != node.group_rank or live.abort.membership):
             return report.Outcome.other_node(live.abort)
         if live.lost:
             return report.Outcome.node_lost(live.lost)
@@ -293,7 +301,7 @@ def _cause_elsewhere(
     for the other nodes' word on why, and report that instead."""
     deadline = time.monotonic() + bound + BEAT
     while time.monotonic() < deadline and not signals.count:
-        if live.abort is not None and live.abort.node != node.group_rank:
+        if live.abort is not None and (live.abort.node != node.group_rank or live.abort.membership):
             return report.Outcome.other_node(live.abort)
         if live.lost:
             return report.Outcome.node_lost(live.lost)

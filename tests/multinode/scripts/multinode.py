@@ -63,7 +63,7 @@ class Trainer:
         )
         if args.fail_rank == self.global_rank and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             sys.exit(args.fail_code)
-        if args.compute_rank == self.global_rank and epoch == 0:
+        if args.compute_rank in (self.global_rank, -2) and epoch == 0:
             end = time.time() + args.compute_seconds  # a long step: busy, not hung
             x = torch.randn(128, 128)
             while time.time() < end:
@@ -84,7 +84,8 @@ def main(args):
     print(
         f"[{socket.gethostname()} rank {os.environ['RANK']}] MASTER_ADDR="
         f"{os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']} "
-        f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT')}",
+        f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT')} "
+        f"world={os.environ['WORLD_SIZE']}",
         flush=True,
     )
     dataset = MyTrainDataset(256)
@@ -106,7 +107,7 @@ if __name__ == "__main__":
     parser.add_argument("--sleep", default=0.0, type=float, help="seconds between epochs")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-code", type=int, default=3)
-    parser.add_argument("--compute-rank", type=int, default=-1)
+    parser.add_argument("--compute-rank", type=int, default=-1, help="-2: every rank")
     parser.add_argument("--compute-seconds", type=float, default=0.0)
     parser.add_argument("--stall-rank", type=int, default=-1)
     main(parser.parse_args())

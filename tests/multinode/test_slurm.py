@@ -1,0 +1,97 @@
+"""`srun ... ddpkit run` under a real SLURM (slurmctld and one slurmd per namespace): the job
+forms from SLURM's own variables, `scancel --signal` reaches every node's launcher, and a lost
+node stops the job. Skipped with the reason where SLURM or namespaces are missing."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from ddpkit.procs import is_alive
+from tests.multinode import cluster as netns
+from tests.multinode import slurm
+from tests.multinode.test_nodes import SCRIPT, assert_quiet
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(netns.available() is not None, reason=f"no namespaces: {netns.available()}"),
+    pytest.mark.skipif(slurm.available() is not None, reason=str(slurm.available())),
+]
+DDPKIT = [sys.executable, "-m", "ddpkit", "run", "--grace", "1", "--node-timeout", "4"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    nodes = netns.Cluster(2)
+    try:
+        manager = slurm.Slurm(nodes, tmp_path / "slurm")
+    except BaseException:
+        nodes.close()
+        raise
+    yield manager
+    manager.close()
+    nodes.close()
+
+
+def launchers() -> list[psutil.Process]:
+    """ddpkit's launchers that srun started (on any node)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if "SLURM_NODEID" in p.environ() and "ddpkit" in " ".join(p.cmdline()[:4]):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return [p for p in found if "run" in p.cmdline()]
+
+
+def assert_nothing_left(timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not [p for p in launchers() if is_alive(p)]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"left running: {[p.cmdline() for p in launchers()]}")
+
+
+def test_srun_starts_one_launcher_per_node_and_the_job_forms(cluster, tmp_path):
+    step = cluster.srun(
+        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2", str(SCRIPT), "2"], tmp_path
+    )
+    assert step.finish(120) == 0, step.stdout + step.stderr
+    assert step.stdout.count("MASTER_ADDR=node0 ") == 4
+    assert step.stdout.count("] done") == 4
+    assert "(node 1 of 2, node1;" in step.stderr
+    assert_quiet(step)
+    assert_nothing_left()
+
+
+def test_scancel_signal_reaches_every_nodes_launcher(cluster, tmp_path):
+    step = cluster.srun(
+        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2", str(SCRIPT), "600", "--sleep", "1"],
+        tmp_path,
+    )
+    step.wait_for("Epoch 0", timeout=90)
+    (job,) = cluster.jobs()
+    cluster.scancel("--signal=TERM", job)
+    step.finish(30)
+    assert step.stderr.count("the job was stopped") == 2, step.stderr
+    assert "stopped by SIGTERM" in step.stderr
+    assert_nothing_left()
+
+
+def test_a_lost_node_under_slurm_stops_the_job(cluster, tmp_path):
+    step = cluster.srun(
+        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2", str(SCRIPT), "600", "--sleep", "1"],
+        tmp_path,
+    )
+    step.wait_for("Epoch 0", timeout=90)
+    node1 = next(p for p in launchers() if p.environ().get("SLURM_NODEID") == "1")
+    node1.send_signal(signal.SIGKILL)
+    assert step.finish(60) != 0
+    assert "node 1 (node1) is gone" in step.stderr
+    assert_nothing_left()
