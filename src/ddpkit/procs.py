@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psutil
@@ -176,21 +176,43 @@ def processes_of_job(job: str, launcher_pid: int | None = None) -> list[psutil.P
 
 
 def terminate(
-    procs: Iterable[psutil.Process], grace: float, groups: Iterable[int] = ()
+    procs: Iterable[psutil.Process],
+    grace: float,
+    groups: Iterable[int] = (),
+    first: int = signal.SIGTERM,
+    impatient: Callable[[], bool] = lambda: False,
+    again: Callable[[], list[psutil.Process]] | None = None,
 ) -> list[psutil.Process]:
-    """SIGTERM `procs` and process groups `groups`, wait up to `grace` s, SIGKILL what is
-    left, and wait until it is gone. Returns the processes that were signalled."""
+    """The one way ddpkit ends processes: `first` (SIGTERM, or the signal being forwarded) to
+    the process groups `groups` and to `procs`, a wait of up to `grace` s (cut short when
+    `impatient()` says so), then SIGKILL to the groups and to whatever is left, including what
+    `again()` finds by then (processes started during the grace), and a wait until it is all
+    gone. Stopped processes are continued first, so they can act on the signal. Never reaps:
+    a launcher's Popen objects must still see their workers' exit codes. Returns the processes
+    that were signalled."""
     targets = {p.pid: p for p in procs if p.pid != os.getpid()}
     group_ids = list(groups)
+    members = [m for pgid in group_ids for m in _group_members(pgid)]
+    in_groups = {m.pid for m in members}
+    for member in members:
+        targets.setdefault(member.pid, member)
     for pgid in group_ids:
-        _killpg(pgid, signal.SIGTERM)
-        for member in _group_members(pgid):
-            targets.setdefault(member.pid, member)
+        _killpg(pgid, signal.SIGCONT)
+        _killpg(pgid, first)
     for proc in targets.values():
-        _signal(proc, signal.SIGTERM)
-    alive = wait_gone(list(targets.values()), grace)
+        if proc.pid not in in_groups:  # once each: a second SIGINT would cut a handler short
+            _signal(proc, signal.SIGCONT)
+            _signal(proc, first)
+    deadline = time.monotonic() + grace
+    alive = [p for p in targets.values() if is_alive(p)]
+    while alive and time.monotonic() < deadline and not impatient():
+        time.sleep(0.05)
+        alive = [p for p in alive if is_alive(p)]
     for pgid in group_ids:
         _killpg(pgid, signal.SIGKILL)
+    for proc in again() if again is not None else []:
+        targets.setdefault(proc.pid, proc)
+        alive.append(proc)
     for proc in alive:
         _signal(proc, signal.SIGKILL)
     wait_gone(alive, 5.0)

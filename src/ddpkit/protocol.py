@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import signal
 import struct
 import time
 from collections.abc import Mapping
@@ -30,7 +31,8 @@ INIT_TIMEOUT = "_DDPKIT_INIT_TIMEOUT"  # setup()'s bound at init, looser than th
 BACKEND = "_DDPKIT_BACKEND"  # "gloo" when the launcher started CPU processes
 TRACK = "_DDPKIT_TRACK"  # "0": no per-collective records (benchmarks)
 RANK_PID = "_DDPKIT_RANK_PID"  # set by the bootstrap: its children are not the rank
-WORKER_VARIABLES = (JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID)
+FRAMED = "_DDPKIT_FRAMED"  # "1": stdout and stderr share one pipe; frame sys.stderr's writes
+WORKER_VARIABLES = (JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID, FRAMED)
 
 
 def job_of(environ: Mapping[str, str]) -> str | None:
@@ -48,7 +50,18 @@ FLIGHT_REQUEST = "fr-request"  # the launcher asks for a flight-recorder dump
 FLIGHT_DUMP = "fr"  # the rank's answer (pickled dump)
 FLIGHT_READY = "fr-ready"  # exists once the rank answers dump requests
 FLIGHT_STATUS = "status"  # a request's content asking for process-group status only
+TORCH_ERROR = "torch-error.json"  # TORCHELASTIC_ERROR_FILE: what torch's @record writes
+
+# The launcher asks a rank for its stacks with this signal (faulthandler answers it even while
+# the rank is blocked in C code). A real-time signal: SIGUSR1/SIGUSR2 belong to the user's
+# script (SLURM pre-emption, its own handlers), and no library here uses SIGRTMIN+5.
+STACKS_SIGNAL = signal.SIGRTMIN + 5
 PHASES = ("started", "init", "ready")
+
+# A worker's stdout and stderr share one pipe (one ordered stream); the bootstrap frames what
+# Python writes to sys.stderr between these, so the launcher can send it to its own stderr.
+ERR_START = b"\x1e\x02"
+ERR_END = b"\x1e\x03"
 
 
 def state_path(state_dir: str | Path, rank: int | str, name: str) -> Path:

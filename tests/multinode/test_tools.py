@@ -23,9 +23,7 @@ def two():
 
 
 def on_both(cluster: Cluster, tmp, *argv: str):
-    procs = [
-        cluster.start(k, [sys.executable, "-m", "ddpkit", *argv], cwd=tmp) for k in (0, 1)
-    ]
+    procs = [cluster.start(k, [sys.executable, "-m", "ddpkit", *argv], cwd=tmp) for k in (0, 1)]
     return [p.finish(150) for p in procs], procs
 
 

@@ -179,10 +179,10 @@ def test_watched_variables_are_the_distributed_ones():
     assert not watched("HOME")
 
 
-CLASSIC = """import os, torch
+CLASSIC = """import os, subprocess, torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-# python -m torch.distributed.launch --nproc_per_node=3 train.py
+subprocess.run(["python", "-m", "torch.distributed.launch", "--nproc_per_node=3", "t.py"])
 rank = int(os.environ["RANK"])
 dist.init_process_group("nccl")
 model = DDP(torch.nn.Linear(2, 2).cuda(), device_ids=[rank])
@@ -215,3 +215,63 @@ def test_an_unreadable_or_invalid_script_is_a_usage_error(tmp_path):
     (tmp_path / "bad.py").write_text("def (:\n")
     with pytest.raises(ConfigError, match="not valid Python"):
         script.scan(str(tmp_path / "bad.py"))
+
+
+def scan_text(tmp_path, text: str) -> list[str]:
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    return [f.what for f in script.scan(str(path))]
+
+
+NANOGPT_STYLE = """import os, numpy as np, torch
+from torch.distributed import init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+ddp_local_rank = int(os.environ['LOCAL_RANK'])
+init_process_group(backend='nccl')
+device = f'cuda:{ddp_local_rank}'
+torch.cuda.set_device(device)
+seed_offset = int(os.environ['RANK'])
+torch.manual_seed(1337 + seed_offset)
+def get_batch(split):
+    data = np.memmap('train.bin', dtype=np.uint16, mode='r')
+    ix = torch.randint(len(data) - 1024, (12,))
+    return torch.stack([torch.from_numpy(data[i:i+1024].astype(np.int64)) for i in ix])
+model = DDP(torch.nn.Linear(2, 2).to(device), device_ids=[ddp_local_rank])
+"""
+
+
+def test_per_rank_sampling_without_a_dataloader_is_not_called_unsharded(tmp_path):
+    assert not [w for w in scan_text(tmp_path, NANOGPT_STYLE) if "DistributedSampler" in w]
+
+
+def test_a_dataloader_without_a_sampler_under_ddp_is_still_found(tmp_path):
+    text = NANOGPT_STYLE + "loader = torch.utils.data.DataLoader(range(10), batch_size=2)\n"
+    assert "DistributedDataParallel without a DistributedSampler" in scan_text(tmp_path, text)
+
+
+def test_set_device_index_of_torch_accelerator_counts_as_setting_the_device(tmp_path):
+    text = NANOGPT_STYLE.replace(
+        "torch.cuda.set_device(device)", "torch.accelerator.set_device_index(ddp_local_rank)"
+    )
+    assert not [w for w in scan_text(tmp_path, text) if "never set" in w]
+
+
+def test_a_gloo_cpu_script_needs_no_cuda_device(tmp_path):
+    text = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+    assert not [w for w in scan_text(tmp_path, text) if "never set" in w]
+
+
+def test_torch_distributed_launch_in_a_comment_or_docstring_is_not_a_finding(tmp_path):
+    text = '"""Once run with torch.distributed.launch; now torchrun."""\n'
+    text += "# we moved off torch.distributed.launch last year\nimport torch\n"
+    assert not [w for w in scan_text(tmp_path, text) if "launch" in w]
+
+
+def test_a_local_rank_argument_that_modern_launchers_never_pass_is_an_error(tmp_path):
+    text = """import argparse, torch
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+torch.cuda.set_device(args.local_rank)
+"""
+    assert "the local rank comes from a --local_rank argument" in scan_text(tmp_path, text)

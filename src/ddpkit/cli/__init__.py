@@ -51,7 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         at = words.index("run")
         own, target = split_argv(words[at + 1 :])
         words = [*words[: at + 1], *own]
-    args = parser.parse_args(words)
+    args, extra = parser.parse_known_args(words)
+    if extra:
+        where = f"ddpkit {args.command}" if args.command else "ddpkit"
+        print(
+            f"error: {where} does not know {' '.join(extra)}\nfix: see `{where} --help`",
+            file=sys.stderr,
+        )
+        return 2
     if target is not None and args.command == "run":
         args.target = target
     if args.command is None:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ddpkit.launch import config
+from ddpkit.launch import config, torchrun_flags
 
 USAGE = "ddpkit run [options] script.py [args] | -m module [args] | --no-python cmd [args]"
 
@@ -20,14 +20,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     config.add_options(p, os.environ)
     config.add_switches(p, os.environ)
+    torchrun_flags.add_flags(p)
     p.add_argument("-m", "--module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument(
-        "--no-python", action="store_true", help="run the target as a program, not with python"
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="run the target as a program, not with python",
     )
     p.set_defaults(handler=run, target=[])
 
 
-FLAGS_WITHOUT_VALUE = {"--no-python", "-h", "--help", *(f"--{s}" for s in config.SWITCHES)}
+FLAGS_WITHOUT_VALUE = {
+    "--no-python",
+    "--no_python",
+    "-h",
+    "--help",
+    "--use-env",
+    "--use_env",
+    "--use-local-rank-arg",
+    "--use_local_rank_arg",
+    *torchrun_flags.SWITCHES,
+    *(f"--{s}" for s in config.SWITCHES),
+}
 
 
 def split_argv(words: list[str]) -> tuple[list[str], list[str]]:

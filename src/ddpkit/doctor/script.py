@@ -1,14 +1,17 @@
 """`ddpkit doctor train.py`: the classic multi-GPU mistakes, found in a script's source.
 
 It reads the source (AST, never runs it) and points at lines: DDP's device_ids given a global
-rank, torch.distributed.launch, init without set_device, a hard-coded 'nccl', DDP without a
-DistributedSampler, a DistributedSampler without set_epoch.
+rank, torch.distributed.launch in code (not in comments or docstrings), init without setting
+the CUDA device (when the script uses CUDA), a hard-coded 'nccl', a --local_rank argument that
+modern launchers never pass, a DataLoader under DDP without a DistributedSampler, a
+DistributedSampler without set_epoch.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 from ddpkit.doctor.checks import Finding
 from ddpkit.errors import ConfigError
@@ -64,35 +67,47 @@ def scan(path: str) -> list[Finding]:
                     at(call),
                 )
             )
-        if func.endswith("init_process_group"):
-            backend = (
-                call.args[0]
-                if call.args
-                else next((k.value for k in call.keywords if k.arg == "backend"), None)
-            )
-            if isinstance(backend, ast.Constant) and backend.value == "nccl":
-                findings.append(
-                    Finding(
-                        "info",
-                        "script",
-                        "backend 'nccl' is hard-coded",
-                        "the script cannot run on a machine without GPUs (a laptop, CI)",
-                        "pick the backend from the machine, or use ddpkit.setup()",
-                        at(call),
-                    )
+        if func.endswith("init_process_group") and _backend(call) == "nccl":
+            findings.append(
+                Finding(
+                    "info",
+                    "script",
+                    "backend 'nccl' is hard-coded",
+                    "the script cannot run on a machine without GPUs (a laptop, CI)",
+                    "pick the backend from the machine, or use ddpkit.setup()",
+                    at(call),
                 )
+            )
+    docstrings = _docstrings(tree)
     for node in ast.walk(tree):
-        if (
+        launches = (
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and "torch.distributed.launch" in node.value
-        ):
+            and id(node) not in docstrings  # prose about it, as comments are
+        ) or (
+            isinstance(node, ast.Import | ast.ImportFrom)
+            and any(
+                "torch.distributed.launch" in f"{getattr(node, 'module', '') or ''}.{a.name}"
+                for a in node.names
+            )
+        )
+        if launches:
             findings.append(_launch_finding(at(node)))
-    for lineno, line in enumerate(source.splitlines(), 1):
-        if "torch.distributed.launch" in line and line.lstrip().startswith("#"):
-            findings.append(_launch_finding(f"{name}:{lineno}"))
+    setters = ("set_device", "set_device_index")  # torch.cuda's and torch.accelerator's
     inits = [c for c in calls if text_of[id(c)].endswith("init_process_group")]
-    if inits and not any(text_of[id(c)].endswith("set_device") for c in calls):
+    uses_cuda = any(
+        (isinstance(n, ast.Constant) and n.value in ("cuda", "nccl"))
+        or (isinstance(n, ast.Attribute) and n.attr == "cuda")
+        for n in ast.walk(tree)
+    )
+    on_cpu = any(_backend(c) == "gloo" for c in inits)
+    if (
+        inits
+        and uses_cuda
+        and not on_cpu
+        and not any(text_of[id(c)].endswith(setters) for c in calls)
+    ):
         findings.append(
             Finding(
                 "warning",
@@ -104,9 +119,17 @@ def scan(path: str) -> list[Finding]:
                 at(inits[0]),
             )
         )
+    findings += _local_rank_argument(tree, source, at)
     ddp = [c for c in calls if text_of[id(c)].split(".")[-1] in ("DistributedDataParallel", "DDP")]
     samplers = [c for c in calls if text_of[id(c)].endswith("DistributedSampler")]
-    if ddp and not samplers and "loader(" not in source:
+    loaders = [
+        c
+        for c in calls
+        if text_of[id(c)].endswith("DataLoader") and not any(k.arg == "sampler" for k in c.keywords)
+    ]
+    # only a DataLoader without a sampler is a mistake: scripts that sample their own batches
+    # per rank (nanoGPT's get_batch with a per-rank seed) have none to give
+    if ddp and loaders and not samplers and "loader(" not in source:
         findings.append(
             Finding(
                 "warning",
@@ -114,7 +137,7 @@ def scan(path: str) -> list[Finding]:
                 "DistributedDataParallel without a DistributedSampler",
                 "every rank trains on the whole data set: N copies of the same work",
                 "pass sampler=DistributedSampler(dataset) to the DataLoader, or use s.loader()",
-                at(ddp[0]),
+                at(loaders[0]),
             )
         )
     if samplers and not any(text_of[id(c)].endswith("set_epoch") for c in calls):
@@ -140,6 +163,54 @@ def _launch_finding(where: str) -> Finding:
         "use `ddpkit run -n gpu train.py` (or torchrun)",
         where,
     )
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+def _backend(call: ast.Call) -> object:
+    backend = (
+        call.args[0]
+        if call.args
+        else next((k.value for k in call.keywords if k.arg == "backend"), None)
+    )
+    return backend.value if isinstance(backend, ast.Constant) else None
+
+
+def _local_rank_argument(tree: ast.AST, source: str, at: Any) -> list[Finding]:
+    """`parser.add_argument("--local_rank", default=-1)` and no read of LOCAL_RANK: torchrun
+    and ddpkit run pass no such argument, so every rank keeps -1 and uses GPU 0."""
+    if "LOCAL_RANK" in source:
+        return []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("add_argument")
+            and any(
+                isinstance(a, ast.Constant) and a.value in ("--local_rank", "--local-rank")
+                for a in node.args
+            )
+        ):
+            return [
+                Finding(
+                    "error",
+                    "script",
+                    "the local rank comes from a --local_rank argument",
+                    "torchrun and `ddpkit run` set LOCAL_RANK in the environment and pass no "
+                    "such argument: it keeps its default, and every rank uses the same GPU",
+                    "read int(os.environ['LOCAL_RANK']) (or ddpkit.setup()); or start it with "
+                    "`ddpkit run --use-local-rank-arg`",
+                    at(node),
+                )
+            ]
+    return []
 
 
 def _global_rank(node: ast.AST) -> bool:

@@ -18,6 +18,8 @@ from typing import Any, Literal
 from ddpkit.env import DEFAULT_PORT, LOOPBACK, expand_hostlist
 from ddpkit.errors import ConfigError
 from ddpkit.gpus import visible_gpu_count
+from ddpkit.launch import torchrun_flags
+from ddpkit.launch.torchrun_flags import TorchrunOptions
 
 TargetKind = Literal["script", "module", "command"]
 __all__ = ["LaunchConfig", "add_options", "add_switches", "build", "from_args", "replace"]
@@ -58,6 +60,11 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "log-dir": (None, "folder for this run's logs (default: a new 0700 folder in /tmp)"),
     "ranks": (None, "only these ranks' output on the console, e.g. 0 or 0,2 (logs get all)"),
     "run-id": (None, "job id (default: random); shown by `ddpkit ps`"),
+    "stdin": (
+        "auto",
+        "the rank that reads this terminal's input (breakpoint(), input()): a rank, none, or "
+        "auto (rank 0 when stdin is a terminal)",
+    ),
     "hang-timeout": (
         "300",
         "seconds without progress on every rank before the job is called "
@@ -92,12 +99,14 @@ class LaunchConfig:
     init_timeout: float = 300.0
     log_dir: Path | None = None
     ranks: frozenset[int] | None = None
+    stdin: str = "auto"  # "auto", "none" or a rank number
     run_id: str = ""
     omp_threads: int | None = None
     run_id_given: bool = False
     master_addr_given: bool = False
     hang_timeout: float = 300.0
     check_collectives: bool = False
+    torchrun: TorchrunOptions = TorchrunOptions()  # what torchrun's own flags asked for
     raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
     track: bool = True  # per-collective records and the flight recorder (hang doctor)
 
@@ -114,6 +123,7 @@ def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> 
             names = ["-n", "--nproc-per-node", "--nproc_per_node"]
         elif "-" in flag:
             names.append(f"--{flag.replace('-', '_')}")  # torchrun's spelling
+        names += torchrun_flags.ALIASES.get(flag, ())
         parser.add_argument(
             *names,
             dest=flag.replace("-", "_"),
@@ -168,6 +178,7 @@ def build(
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
     env = os.environ if environ is None else environ
+    torchrun = torchrun_flags.from_args(args) if hasattr(args, "rdzv_backend") else None
     kind, target, rest = _target(args)
     min_nodes, nnodes, node_rank, master_addr, master_port = _nodes(args, env)
     nproc, backend = _nproc(args.nproc_per_node, env)
@@ -176,6 +187,11 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         raise ConfigError(
             f"--nnodes {min_nodes}:{nnodes} (elastic membership) needs --rdzv",
             fix="add --rdzv HOST:PORT (the same on every node), or give one node count",
+        )
+    if getattr(args, "standalone", False) and nnodes > 1:
+        raise ConfigError(
+            f"--standalone is one node, and --nnodes says {nnodes}",
+            fix="leave out --standalone, and give --rdzv-endpoint HOST:PORT on every node",
         )
     if nnodes > 1 and not args.rdzv and node_rank is None:
         raise ConfigError(
@@ -203,12 +219,14 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         init_timeout=_number(args.init_timeout, "--init-timeout", float, minimum=0.1),
         log_dir=Path(args.log_dir).expanduser() if args.log_dir else None,
         ranks=_ranks(args.ranks) if args.ranks else None,
+        stdin=_stdin(args.stdin),
         run_id=args.run_id or uuid.uuid4().hex[:8],
         omp_threads=None if "OMP_NUM_THREADS" in env else _omp_threads(nproc),
         run_id_given=bool(args.run_id),
         master_addr_given=bool(args.master_addr),
         hang_timeout=_number(args.hang_timeout, "--hang-timeout", float, minimum=0),
         check_collectives=bool(getattr(args, "check_collectives", False)),
+        torchrun=torchrun or TorchrunOptions(),
     )
 
 
@@ -350,6 +368,15 @@ def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
             )
         pairs.append((key, value.strip()))
     return tuple(pairs)
+
+
+def _stdin(text: str) -> str:
+    word = str(text).strip().lower()
+    if word in ("auto", "none") or (word.isdigit() and len(word) < 7):
+        return word
+    raise ConfigError(
+        f"--stdin {text!r} is not a rank, none or auto", fix="e.g. --stdin 0, or --stdin none"
+    )
 
 
 def _ranks(text: str) -> frozenset[int]:

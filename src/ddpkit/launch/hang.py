@@ -7,8 +7,9 @@ feeding and waiting on a GPU, which spins a core). The job is hung when no rank 
 progress for the hang timeout. A rank that computes for an hour is not hung; a rank that
 sleeps, waits in a collective, or waits on a stuck DataLoader worker is.
 
-Stacks come from inside each rank: the bootstrap registered faulthandler on SIGUSR1, which
-writes every thread's stack to the rank's stack file even while the rank is blocked in C code.
+Stacks come from inside each rank: the bootstrap registered faulthandler on
+protocol.STACKS_SIGNAL, which writes every thread's stack to the rank's stack file even while
+the rank is blocked in C code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ from ddpkit.frames import is_bootstrap, is_library, torch_module
 from ddpkit.launch import flight
 
 BUSY_SHARE = 0.10
+IO_BYTES_PER_S = 64 * 1024  # a process tree reading or writing this much per second is busy
 SAMPLE_EVERY = 1.0
 HANG_EXIT_CODE = 124  # as GNU timeout's
 
@@ -39,8 +40,12 @@ FLIGHT_EVERY = 2.0  # seconds between flight-recorder polls of NCCL ranks
 @dataclass
 class RankState:
     cpu: float = -1.0
+    io: int = -1  # bytes the process tree has read and written so far
     record: protocol.Record | None = None
     last_progress: float = field(default_factory=time.monotonic)
+    last_compute: float = field(default_factory=time.monotonic)  # progress other than I/O
+    io_since: int = 0  # bytes moved since last_compute
+    said_io: bool = False
     nccl: tuple[int, int | None] | None = None  # (last completed seq, oldest pending seq)
     stuck_in_nccl: bool = False
 
@@ -60,6 +65,7 @@ class HangWatch:
         # several nodes: progress is told to `nodes` (a Liveness), and only node 0 decides,
         # from every node's progress
         self.nodes = nodes
+        self.notes: list[str] = []  # what the watch saw that the user should know (printed)
 
     def hung(self, now: float) -> bool:
         if self.timeout <= 0 or now < self.next_sample:
@@ -72,7 +78,7 @@ class HangWatch:
         for w in self.workers:
             state = self.ranks[w.rank]
             record = protocol.read_record(self.state_dir, w.rank)
-            cpu = tree_cpu_seconds(w.proc.pid) if w.exit_code is None else state.cpu
+            cpu, io = tree_usage(w.proc.pid) if w.exit_code is None else (state.cpu, state.io)
             previous = state.record
             advanced = record is not None and (
                 previous is None
@@ -81,14 +87,31 @@ class HangWatch:
             )
             inside = (record is not None and record.in_collective) or state.stuck_in_nccl
             busy = state.cpu >= 0 and not inside and cpu - state.cpu >= BUSY_SHARE * interval
+            moved = io - state.io if state.io >= 0 else 0
             if advanced or busy:
+                state.last_progress = state.last_compute = now
+                state.io_since, state.said_io = 0, False
+            elif moved >= IO_BYTES_PER_S * interval:  # a download, a dataset being written
                 state.last_progress = now
-            state.cpu, state.record = cpu, record
+                state.io_since += moved
+                self._say_io(w.rank, state, now)
+            state.cpu, state.io, state.record = cpu, io, record
         if self.nodes is None:
             return self._local_stall(now) >= self.timeout
         if any(s.last_progress >= now for s in self.ranks.values()):
             self.nodes.progressed()
         return self.nodes.node.group_rank == 0 and self.stalled_for(now) >= self.timeout
+
+    def _say_io(self, rank: int, state: RankState, now: float) -> None:
+        """Once per stretch: a rank kept alive only by its I/O, where the watch would have
+        called the job hung."""
+        quiet = now - state.last_compute
+        if quiet >= self.timeout and not state.said_io:
+            state.said_io = True
+            self.notes.append(
+                f"rank {rank} has done no collective for {quiet:.0f} s but its process tree "
+                f"read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
+            )
 
     def _local_stall(self, now: float) -> float:
         return min(now - s.last_progress for s in self.ranks.values())
@@ -122,18 +145,24 @@ class HangWatch:
         return min(local, now - self.nodes.last_remote_progress)
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by a process and all its descendants."""
-    total = 0.0
+def tree_usage(pid: int) -> tuple[float, int]:
+    """(CPU seconds, bytes read and written) used so far by a process and its descendants.
+    Bytes are what their read and write calls moved (files, pipes; not sockets)."""
+    cpu, io = 0.0, 0
     try:
         root = psutil.Process(pid)
         for proc in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 times = proc.cpu_times()
-                total += times.user + times.system
+                cpu += times.user + times.system
+            with contextlib.suppress(psutil.Error, AttributeError):
+                counters = proc.io_counters()
+                io += getattr(counters, "read_chars", counters.read_bytes) + getattr(
+                    counters, "write_chars", counters.write_bytes
+                )
     except psutil.Error:
         pass
-    return total
+    return cpu, io
 
 
 # -- stacks ------------------------------------------------------------------------------
@@ -146,7 +175,7 @@ def dump_stacks(pids: dict[int, int], state_dir: Path, wait: float = 3.0) -> dic
         path = protocol.state_path(state_dir, rank, protocol.STACKS)
         sizes[rank] = path.stat().st_size if path.exists() else 0
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, protocol.STACKS_SIGNAL)
     texts: dict[int, str] = {}
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and len(texts) < len(pids):
@@ -289,7 +318,7 @@ def collect(workers: list[Any], state_dir: Path) -> tuple[dict[int, tuple[str, s
                 f"    flight recorder: {line}" for line in flight.summarize(recorded[w.rank])
             )
         if w.rank in alive and w.rank not in texts:
-            details.append("    (no stack: the rank did not answer SIGUSR1)")
+            details.append("    (no stack: the rank did not answer the stack request)")
     return places, "\n".join(details)
 
 

@@ -1,88 +1,301 @@
-"""Worker output: every byte to the rank's log file, lines to the console with a `[rank N]`
-prefix (for the ranks the user asked to see), and the last lines of stderr kept for the report.
+"""Worker output: one ordered stream per rank, to its log and to the console.
 
-A progress bar's carriage returns end a segment too, so tqdm bars redraw in place instead of
-arriving as one line at the end.
+Each worker writes stdout and stderr into one pipe, so what it printed arrives in the order it
+printed it; Python-level stderr is framed (`ddpkit.protocol.ERR_START`/`ERR_END`, written by the
+rank's bootstrap) so the launcher can still send it to its own stderr. Writes to file
+descriptor 2 from C code or from subprocesses arrive unframed, in order, with stdout.
+
+Every byte goes to the rank's log, as the rank wrote it. The console gets each line with a
+`[rank N]` prefix (for the ranks asked for), and behaves as a terminal would for a progress bar:
+a carriage return redraws the line with its prefix once, a line printed after a cleared bar
+takes its place, and nothing stray is left at exit. Partial lines (a `(Pdb) ` prompt) are shown
+at once. Data moves in large chunks, so a chatty rank is not slowed down, and a line without a
+newline costs linear time and bounded memory.
+
+A console that stops taking output (its reader closed the pipe, `| head`) marks
+`Console.closed`; the supervisor then stops the job. A log that cannot be written (a full disk)
+stops being written, with one warning, and the console goes on (docs/launcher.md, "Output").
 """
 
 from __future__ import annotations
 
 import os
+import select
 import sys
 import threading
+import time
 from collections import deque
 from typing import BinaryIO
 
+from ddpkit.protocol import ERR_END, ERR_START
+
 TAIL_LINES = 30
+TAIL_LINE_BYTES = 4096  # the report keeps at most this much of one line
+CHUNK = 1 << 16
+HOLD_MS = 100  # a partial line (a prompt) is shown after this long without more output
+DRAIN_IDLE = 2.0  # at close: stop reading once the pipe gave nothing for this long
+
+
+class Console:
+    """The launcher's stdout and stderr, shared by every rank, with the state of the line
+    the cursor is on (a terminal has one line, whichever stream wrote it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed: str | None = None  # why the console stopped taking output
+        self.owner: int | None = None  # the rank whose line is open (no newline yet)
+        self.bare = False  # the open line holds only its prefix (after a carriage return)
+
+    def write(self, rank: int, prefix: bytes, stream: int, data: bytes) -> None:
+        out = _buffer(sys.stderr if stream == 2 else sys.stdout)
+        if out is None or self.closed:
+            return
+        with self.lock:
+            try:
+                out.write(self._shape(rank, prefix, data))
+                out.flush()
+            except (BrokenPipeError, ValueError):
+                self.closed = "the console's output was closed (a pipe that stopped reading?)"
+            except OSError as err:
+                self.closed = f"the console's output failed: {err.strerror}"
+
+    def _shape(self, rank: int, prefix: bytes, data: bytes) -> bytes:
+        """`data` with the prefix at the start of each line, as a terminal should show it."""
+        if not prefix:
+            return data
+        parts = []
+        if self.owner is not None and self.owner != rank:
+            parts.append(b"\n")  # another rank's line is open: start a line of our own
+            self.owner, self.bare = None, False
+        if b"\r" not in data:
+            body = data
+            if self.owner is None:
+                body = prefix + body
+            if body.endswith(b"\n"):
+                body = body[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
+                self.owner, self.bare = None, False
+            else:
+                body = body.replace(b"\n", b"\n" + prefix)
+                self.owner, self.bare = rank, False
+            parts.append(body)
+            return b"".join(parts)
+        for piece in _pieces(data):  # the slow path, for progress bars
+            if piece.startswith(b"\r"):
+                parts.append(b"\r" + prefix + piece[1:])
+                self.bare = len(piece) == 1
+            else:
+                parts.append(piece if self.owner == rank else prefix + piece)
+                self.bare = False
+            self.owner = None if piece.endswith(b"\n") else rank
+        return b"".join(parts)
+
+    def line_ended(self, rank: int) -> None:
+        """The terminal ended the rank's open line itself (the echo of a typed answer)."""
+        with self.lock:
+            if self.owner == rank:
+                self.owner, self.bare = None, False
+
+    def end_line(self, rank: int) -> None:
+        """At a rank's end: close its open line (erase a lone prefix on a terminal)."""
+        with self.lock:
+            if self.owner != rank or self.closed:
+                return
+            out = _buffer(sys.stdout)
+            tty = sys.stdout.isatty()
+            tail = b"\r\x1b[K" if self.bare and tty else b"\n"
+            self.owner, self.bare = None, False
+            try:
+                if out is not None:
+                    out.write(tail)
+                    out.flush()
+            except (OSError, ValueError):
+                self.closed = "the console's output was closed"
+
+
+def _pieces(data: bytes) -> list[bytes]:
+    """Split after each newline and before each carriage return."""
+    pieces, start = [], 0
+    for i, byte in enumerate(data):
+        if byte == 0x0D and i > start:  # "\r"
+            pieces.append(data[start:i])
+            start = i
+        elif byte == 0x0A:  # "\n"
+            pieces.append(data[start : i + 1])
+            start = i + 1
+    if start < len(data):
+        pieces.append(data[start:])
+    return pieces
+
+
+def _buffer(stream: object) -> BinaryIO | None:
+    return getattr(stream, "buffer", None)
+
+
+CONSOLE = Console()
 
 
 class RankOutput:
-    """Pumps one rank's stdout and stderr (one thread each) into its log and the console."""
+    """Pumps one rank's pipe into its log and the console (one thread)."""
 
-    def __init__(self, rank: int, log_path: str, show: bool, prefix: bool = True) -> None:
+    def __init__(
+        self,
+        rank: int,
+        log_path: str,
+        shown: frozenset[int] = frozenset({1, 2}),
+        prefix: bool = True,
+        console: Console = CONSOLE,
+        reads_stdin: bool = False,
+    ) -> None:
         self.rank = rank
         self.prefix = f"[rank {rank}] ".encode() if prefix else b""
-        self.show = show
-        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
-        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self.shown = shown  # the streams that reach the console (1 stdout, 2 stderr)
+        self.reads_stdin = reads_stdin  # this rank reads the terminal (input(), pdb)
+        self.console = console
+        self.log_path = log_path
+        self.log: BinaryIO | None = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self.log_error: str | None = None
+        self.tail: deque[bytes] = deque(maxlen=TAIL_LINES)  # the last lines, both streams
+        self._line = b""  # the unfinished last line, for the tail (bounded)
+        self._torch_prefix = f"[rank{rank}]: ".encode()
+        self.thread: threading.Thread | None = None
+        self._stream = 1
+        self._split = b""  # a marker's first bytes, split across two reads
+        self._held: tuple[int, bytes] | None = None  # an unfinished line, not yet shown
+        self.read_last = time.monotonic()
 
-    def start(self, stdout: BinaryIO, stderr: BinaryIO) -> None:
-        for pipe, console, keep in ((stdout, sys.stdout, False), (stderr, sys.stderr, True)):
-            t = threading.Thread(
-                target=self._pump,
-                args=(pipe, console, keep),
-                daemon=True,
-                name=f"rank{self.rank}-output",
-            )
-            t.start()
-            self.threads.append(t)
+    @property
+    def last_lines(self) -> list[str]:
+        """The rank's last lines (both streams, torch's own `[rankN]:` prefix removed)."""
+        return [
+            line.replace(self._torch_prefix, b"").decode(errors="replace").rstrip("\r")
+            for line in self.tail
+        ]
 
-    def _pump(self, pipe: BinaryIO, console: object, keep: bool) -> None:
+    def start(self, pipe: BinaryIO) -> None:
+        self.thread = threading.Thread(
+            target=self._pump, args=(pipe,), daemon=True, name=f"rank{self.rank}-output"
+        )
+        self.thread.start()
+
+    def _pump(self, pipe: BinaryIO) -> None:
         fd = pipe.fileno()
-        pending = b""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
         while True:
+            if self._held and not poller.poll(HOLD_MS):
+                self._show_held()  # quiet for a moment: show the partial line (a prompt)
+                if self.reads_stdin:  # the user answers it and presses Enter: a new line
+                    self.console.line_ended(self.rank)
+                continue
             try:
-                chunk = os.read(fd, 65536)
+                chunk = os.read(fd, CHUNK)
             except OSError:
                 chunk = b""
             if not chunk:
                 break
-            pending += chunk
-            while True:
-                # a segment ends after "\n", or just before a "\r" that starts a redraw
-                nl, cr = pending.find(b"\n"), pending.find(b"\r", 1)
-                if nl < 0 and cr < 0:
-                    break
-                cut = nl + 1 if cr < 0 or 0 <= nl < cr else cr
-                self._emit(pending[:cut], console, keep)
-                pending = pending[cut:]
-        if pending:
-            self._emit(pending + b"\n", console, keep)
+            self.read_last = time.monotonic()
+            for stream, data in self._frames(chunk):
+                self._take(stream, data)
+        if self._split:
+            self._take(self._stream, self._split)
+        self._show_held()
+        if self.shown:
+            self.console.end_line(self.rank)
         pipe.close()
 
-    def _emit(self, segment: bytes, console: object, keep: bool) -> None:
-        with self._lock:
-            self.log.write(segment)
-        if keep and segment.endswith(b"\n"):
-            self.stderr_tail.append(segment.decode(errors="replace").rstrip("\n"))
-        if self.show:
-            out = console.buffer if hasattr(console, "buffer") else None  # type: ignore[attr-defined]
-            if out is not None:
-                line = (
-                    b"\r" + self.prefix + segment[1:]
-                    if segment.startswith(b"\r")
-                    else self.prefix + segment
-                )
-                with _console_lock:
-                    out.write(line)
-                    out.flush()
+    def _frames(self, chunk: bytes) -> list[tuple[int, bytes]]:
+        """(stream, bytes) runs of a chunk: stderr between the bootstrap's markers."""
+        data, self._split = self._split + chunk, b""
+        runs = []
+        while data:
+            marker = ERR_END if self._stream == 2 else ERR_START
+            at = data.find(marker)
+            if at < 0:
+                keep = _partial_marker(data, marker)
+                if len(data) > keep:
+                    runs.append((self._stream, data[: len(data) - keep]))
+                self._split = data[len(data) - keep :]
+                break
+            if at:
+                runs.append((self._stream, data[:at]))
+            self._stream = 1 if self._stream == 2 else 2
+            data = data[at + len(marker) :]
+        return runs
 
-    def close(self, timeout: float = 2.0) -> None:
-        for t in self.threads:
-            t.join(timeout)
-        self.log.close()
+    def _take(self, stream: int, data: bytes) -> None:
+        if self.log is not None:
+            try:
+                self.log.write(data)
+            except OSError as err:
+                self._log_failed(err)
+        self._keep_tail(data)
+        if stream not in self.shown:
+            return
+        if self._held and self._held[0] != stream:
+            self._show_held()
+        data = (self._held[1] if self._held else b"") + data
+        # lines go to the console whole (another rank's output never splits one); the
+        # unfinished rest waits for its end, or HOLD_MS of quiet, or CHUNK bytes
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r") - 1) + 1
+        if len(data) - cut >= CHUNK:
+            cut = len(data)
+        self._held = (stream, data[cut:]) if cut < len(data) else None
+        if cut:
+            self._show(stream, data[:cut])
+
+    def _show(self, stream: int, data: bytes) -> None:
+        shown = data.replace(self._torch_prefix, b"") if self.prefix else data
+        self.console.write(self.rank, self.prefix, stream, shown)
+
+    def _show_held(self) -> None:
+        if self._held:
+            stream, data = self._held
+            self._held = None
+            self._show(stream, data)
+
+    def _log_failed(self, err: OSError) -> None:
+        self.log_error = f"{self.log_path}: {err.strerror or err}"
+        log, self.log = self.log, None
+        try:
+            log.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        print(
+            f"ddpkit: warning: rank {self.rank}'s log cannot be written ({self.log_error}); "
+            "it stops here, the console goes on",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _keep_tail(self, data: bytes) -> None:
+        lines = data.split(b"\n")
+        lines[0] = self._line + lines[0]
+        for line in lines[:-1]:
+            self.tail.append(line[-TAIL_LINE_BYTES:])
+        self._line = lines[-1][-TAIL_LINE_BYTES:]
+
+    def close(self) -> None:
+        """Read to the end (the rank has exited), then close the log. A pipe still held open
+        by something the rank left behind is given up once it stays quiet for DRAIN_IDLE s."""
+        if self.thread is not None:
+            while self.thread.is_alive():
+                self.thread.join(0.1)
+                if time.monotonic() - self.read_last > DRAIN_IDLE:
+                    break
+        if self._line:
+            self.tail.append(self._line)
+            self._line = b""
+        if self.log is not None:
+            try:
+                self.log.close()
+            except OSError as err:
+                self.log_error = f"{self.log_path}: {err.strerror or err}"
+            self.log = None
 
 
-_console_lock = threading.Lock()
+def _partial_marker(data: bytes, marker: bytes) -> int:
+    """How many bytes at the end of `data` could be the start of `marker`."""
+    for keep in range(min(len(marker) - 1, len(data)), 0, -1):
+        if marker.startswith(data[-keep:]):
+            return keep
+    return 0

@@ -74,10 +74,16 @@ class Outcome:
         )
 
     @classmethod
-    def hang(cls, summary: str, details: str) -> Outcome:
+    def hang(cls, summary: str, details: str, timeout: float) -> Outcome:
         from ddpkit.launch.hang import HANG_EXIT_CODE
 
-        return cls(ok=False, exit_code=HANG_EXIT_CODE, summary=summary, details=details)
+        advice = (
+            f"  fix: if a rank legitimately waits this long (a download, a long first step), "
+            f"raise --hang-timeout (now {timeout:g} s); --hang-timeout 0 turns the watch off"
+        )
+        return cls(
+            ok=False, exit_code=HANG_EXIT_CODE, summary=summary, details=f"{advice}\n{details}"
+        )
 
     @classmethod
     def launcher_failure(cls, summary: str) -> Outcome:
@@ -144,9 +150,9 @@ class Outcome:
             lines.append(self.details)
         root = next((w for w in workers if w.rank == self.root_rank), None)
         if root is not None:
-            tail = list(root.output.stderr_tail)[-15:]
+            tail = list(root.output.last_lines)[-15:]
             if tail:
-                lines.append(f"  last lines of rank {root.rank}'s stderr:")
+                lines.append(f"  last lines of rank {root.rank}'s output:")
                 lines.extend(f"    | {line}" for line in tail)
         others = [w for w in workers if w is not root]
         if others:
@@ -159,8 +165,14 @@ class Outcome:
             )
         lines.append(f"  logs: {run_dir}")
         lines.append(f"  exit code: {self.exit_code}")
+        logs_lost = [w.output.log_error for w in workers if w.output.log_error]
+        if logs_lost:
+            lines.insert(-2, "  logs cut short: " + "; ".join(logs_lost))
         self.text = "\n".join(lines)
-        (run_dir / "report.txt").write_text(self.text.lstrip("\n") + "\n")
+        try:
+            (run_dir / "report.txt").write_text(self.text.lstrip("\n") + "\n")
+        except OSError as err:  # a full disk must not hide the report on the console
+            self.text += f"\n  (report.txt not written: {err.strerror or err})"
 
 
 MISMATCH_WORDS = (
@@ -174,7 +186,7 @@ MISMATCH_WORDS = (
 def collective_mismatch(workers: list[Any], state_dir: Path) -> str | None:
     """When torch or gloo says collectives differ, which rank called what, from where (from
     each rank's progress record), instead of a wall of fingerprints."""
-    said = [line for w in workers for line in w.output.stderr_tail]
+    said = [line for w in workers for line in w.output.last_lines]
     if not any(word in line for line in said for word in MISMATCH_WORDS):
         return None
     calls = []

@@ -24,7 +24,6 @@ from typing import Any
 
 import psutil
 
-import ddpkit
 from ddpkit import procs, protocol
 from ddpkit.errors import debug_enabled
 from ddpkit.launch import crossnode, hang, report
@@ -32,7 +31,7 @@ from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.hang import HANG_EXIT_CODE
 from ddpkit.launch.liveness import BEAT, Abort, Liveness
 from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup, join
-from ddpkit.launch.output import RankOutput
+from ddpkit.launch.output import CONSOLE, RankOutput
 
 PR_SET_CHILD_SUBREAPER = 36
 POLL = 0.05
@@ -52,9 +51,22 @@ class Worker:
         return self.proc.pid  # each worker leads its own session and group
 
 
+# Signals the launcher forwards to every worker before it stops the job (torchrun's
+# --signals-to-handle, with SIGINT for Ctrl+C): SLURM pre-emption sends SIGUSR1 or SIGTERM, a
+# closed ssh session SIGHUP.
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGQUIT,
+)
+
+
 @dataclass
 class Signals:
-    """Ctrl+C / SIGTERM received by the launcher."""
+    """The signals the launcher received (any of FORWARDED)."""
 
     count: int = 0
     last: int = 0
@@ -72,7 +84,8 @@ def launch(cfg: LaunchConfig) -> int:
         _say(f"waiting up to {cfg.init_timeout:g} s for {cfg.nnodes} nodes to meet at {meet}")
     node = join(cfg)  # before our handlers: Ctrl+C while waiting for nodes just stops
     signals = Signals()
-    previous = {s: signal.signal(s, signals.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    forwarded = set(FORWARDED) | set(cfg.torchrun.signals)
+    previous = {s: signal.signal(s, signals.handle) for s in forwarded}
     watchdog = None
     code = 1
     try:
@@ -96,7 +109,7 @@ def launch(cfg: LaunchConfig) -> int:
             if outcome.membership and not signals.count:
                 _say(f"the job's nodes change ({outcome.summary}): every node starts again")
             else:
-                print(outcome.text, file=sys.stderr, flush=True)
+                _say(outcome.text.lstrip("\n"), prefix="")
                 if not _restarts(cfg, outcome, attempt, signals):
                     break
                 attempt += 1
@@ -144,6 +157,8 @@ def _run_attempt(
     workers: list[Worker] = []
     try:
         for local_rank in range(cfg.nproc_per_node):
+            if signals.count:  # Ctrl+C or SIGTERM while starting: start no more
+                break
             rank = node.group_rank * cfg.nproc_per_node + local_rank
             env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
             workers.append(_start_worker(cfg, rank, env, run_dir))
@@ -188,7 +203,7 @@ def worker_env(
             "GROUP_WORLD_SIZE": str(node.nnodes),
             "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(world),
-            "ROLE_NAME": "default",
+            "ROLE_NAME": cfg.torchrun.role,
             "MASTER_ADDR": node.master_addr,
             "MASTER_PORT": str(node.master_port),
             "TORCHELASTIC_RUN_ID": node.run_id,
@@ -217,28 +232,64 @@ def worker_env(
         env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
     if cfg.backend == "gloo":
         env[protocol.BACKEND] = "gloo"
-    package_root = str(Path(ddpkit.__file__).resolve().parent.parent)
-    if package_root not in env.get("PYTHONPATH", "").split(os.pathsep):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env[protocol.FRAMED] = "1"
+    # torch's @record writes a failing rank's error here, as under torchrun
+    env["TORCHELASTIC_ERROR_FILE"] = str(protocol.state_path(state_dir, rank, protocol.TORCH_ERROR))
     return env
 
 
 def _start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path) -> Worker:
-    cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *cfg.args]
+    args = list(cfg.args)
+    if cfg.torchrun.local_rank_arg:  # torch.distributed.launch put it first
+        args.insert(0, f"{cfg.torchrun.local_rank_arg}={env['LOCAL_RANK']}")
+    cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *args]
+    reads_stdin = stdin_rank(cfg) == rank
     proc = subprocess.Popen(
         cmd,
         env=env,
-        stdin=subprocess.DEVNULL,
+        stdin=None if reads_stdin else subprocess.DEVNULL,  # None: the launcher's own
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one pipe: the order the rank printed in
         start_new_session=True,
     )
-    show = cfg.ranks is None or rank in cfg.ranks
-    output = RankOutput(rank, str(run_dir / f"rank{rank}.log"), show, not cfg.raw_output)
-    if proc.stdout is None or proc.stderr is None:
-        raise RuntimeError("worker pipes missing")
-    output.start(proc.stdout, proc.stderr)
+    local = int(env["LOCAL_RANK"])
+    output = RankOutput(
+        rank,
+        str(run_dir / f"rank{rank}.log"),
+        shown_streams(cfg, rank, local),
+        not cfg.raw_output,
+        reads_stdin=reads_stdin,
+    )
+    if proc.stdout is None:
+        raise RuntimeError("worker pipe missing")
+    output.start(proc.stdout)
     return Worker(rank, proc, output)
+
+
+def shown_streams(cfg: LaunchConfig, rank: int, local_rank: int) -> frozenset[int]:
+    """Which of a rank's streams (1 stdout, 2 stderr) reach the console: --ranks,
+    --local-ranks-filter and --redirects decide; the log always gets both."""
+    if cfg.ranks is not None and rank not in cfg.ranks:
+        return frozenset()
+    local_filter = cfg.torchrun.local_ranks
+    if local_filter is not None and local_rank not in local_filter:
+        return frozenset()
+    hidden: frozenset[int] = frozenset()
+    for who, streams in cfg.torchrun.hidden:
+        if who in (-1, local_rank):
+            hidden = streams
+    return frozenset({1, 2}) - hidden
+
+
+def stdin_rank(cfg: LaunchConfig) -> int | None:
+    """The rank that reads the launcher's stdin (for breakpoint() and input()): --stdin N, or
+    rank 0 when stdin is a terminal (auto), or none."""
+    if cfg.stdin == "auto":
+        try:
+            return 0 if sys.stdin is not None and os.isatty(sys.stdin.fileno()) else None
+        except (OSError, ValueError):
+            return None
+    return None if cfg.stdin == "none" else int(cfg.stdin)
 
 
 def _supervise(
@@ -275,6 +326,8 @@ def _supervise(
             if node.multi_node and outcome.victim:
                 return _cause_elsewhere(outcome, node, live, signals, cfg.node_timeout)
             return outcome
+        if CONSOLE.closed:
+            return report.Outcome.launcher_failure(f"{CONSOLE.closed}; the job is stopped")
         if live.abort is not None and (live.abort.node != node.group_rank or live.abort.membership):
             return report.Outcome.other_node(live.abort)
         if live.lost:
@@ -286,12 +339,14 @@ def _supervise(
             crossnode.publish_places(node, *hang.collect(workers, state_dir))
         if watch.hung(now):
             return _hang_outcome(node, workers, state_dir, watch.stalled_for(now), cfg)
+        while watch.notes:
+            _say(watch.notes.pop(0))
         if now >= next_init_check:
             next_init_check = now + 0.5
             missing = _missing_at_init(workers, state_dir, cfg.init_timeout)
             if missing:
                 return report.Outcome.launcher_failure(missing)
-        time.sleep(POLL)
+        time.sleep(cfg.torchrun.monitor_interval)
 
 
 def _cause_elsewhere(
@@ -314,11 +369,11 @@ def _hang_outcome(
 ) -> report.Outcome:
     if not node.multi_node:
         line, details = hang.describe(workers, state_dir, stall)
-        return report.Outcome.hang(line, details)
+        return report.Outcome.hang(line, details, cfg.hang_timeout)
     crossnode.ask_places(node)
     places, details = hang.collect(workers, state_dir)
     every, hosts, text = crossnode.collect_places(node, places, details, cfg.nproc_per_node)
-    return report.Outcome.hang(crossnode.hang_line(every, hosts, stall), text)
+    return report.Outcome.hang(crossnode.hang_line(every, hosts, stall), text, cfg.hang_timeout)
 
 
 ERROR_EXIT_WAIT = 3.0
@@ -365,43 +420,28 @@ def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> 
 
 
 def _stop_workers(workers: list[Worker], grace: float, signals: Signals, run_id: str) -> None:
-    """TERM every worker's group and every process of the run, wait up to `grace`, KILL."""
+    """Every worker's group and every process of the run: the signal the launcher got (a
+    forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
+    `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected."""
     count_before = signals.count
-    stragglers = procs.processes_of_job(run_id, os.getpid())
-    for w in workers:
-        _killpg(w.pgid, signal.SIGCONT)
-        _killpg(w.pgid, signal.SIGTERM)
-    for p in stragglers:
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    deadline = time.monotonic() + grace
+    first = signals.last if signals.count and signals.last in FORWARDED else signal.SIGTERM
 
     def impatient() -> bool:  # a second Ctrl+C, or any during a teardown for another reason
         return signals.count >= 2 or signals.count > count_before
 
-    while time.monotonic() < deadline and not impatient():
-        if not any(w.proc.poll() is None for w in workers) and not any(
-            procs.is_alive(p) for p in stragglers
-        ):
-            break
-        time.sleep(POLL)
-    for w in workers:
-        _killpg(w.pgid, signal.SIGKILL)
-    left = procs.processes_of_job(run_id, os.getpid()) + stragglers
-    for p in left:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
+    procs.terminate(
+        procs.processes_of_job(run_id, os.getpid()),
+        grace,
+        groups=[w.pgid for w in workers if w.proc.poll() is None],
+        first=first,
+        impatient=impatient,
+        again=lambda: procs.processes_of_job(run_id, os.getpid()),
+    )
     for w in workers:
         with contextlib.suppress(subprocess.TimeoutExpired):
             w.proc.wait(timeout=5)
         if w.exit_code is None:
             w.exit_code, w.ended_wall, w.stopped = w.proc.returncode, time.time(), True
-    procs.wait_gone(left, 5.0)
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _become_subreaper() -> None:
@@ -470,5 +510,8 @@ def make_run_dir(cfg: LaunchConfig, node: NodeGroup) -> Path:
     return run_dir
 
 
-def _say(text: str) -> None:
-    print(f"ddpkit: {text}", file=sys.stderr, flush=True)
+def _say(text: str, prefix: str = "ddpkit: ") -> None:
+    try:
+        print(f"{prefix}{text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # stderr is gone too: the exit code and report.txt still tell

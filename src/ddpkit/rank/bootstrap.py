@@ -3,7 +3,8 @@
 `python -m ddpkit.rank.bootstrap script|module|command TARGET [ARGS...]`
 
 Before the user's code: the kernel is asked to SIGKILL this process when the launcher dies
-(PR_SET_PDEATHSIG), faulthandler dumps every thread's stack to the rank's stack file on SIGUSR1
+(PR_SET_PDEATHSIG), faulthandler dumps every thread's stack to the rank's stack file on
+protocol.STACKS_SIGNAL
 (works while blocked in C code), and init_process_group is watched so the launcher can tell which
 ranks reached init. An uncaught exception is written, with its time, to the rank's error file so
 the launcher can tell the root cause from the ranks that failed because of it. The user's script
@@ -12,17 +13,21 @@ then runs as `__main__`, as `python script.py` would run it.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import faulthandler
 import functools
 import importlib.abc
 import importlib.machinery
+import io
 import os
 import runpy
 import signal
 import sys
 import time
 import traceback
+import types
+import zipfile
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -183,11 +188,42 @@ def record_errors() -> None:
     sys.excepthook = hook
 
 
+class _FramedStderr(io.RawIOBase):
+    """fd 2 (the pipe stdout shares), with each write framed as stderr for the launcher."""
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return 2
+
+    def write(self, data: Any) -> int:
+        view = protocol.ERR_START + bytes(data) + protocol.ERR_END
+        while view:
+            try:
+                view = view[os.write(2, view) :]
+            except InterruptedError:
+                continue
+        return len(data)
+
+
+def frame_stderr() -> None:
+    """Python's stderr goes into the one ordered stream, marked as stderr."""
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    sys.stderr = io.TextIOWrapper(
+        _FramedStderr(),
+        encoding=encoding,
+        errors="backslashreplace",
+        line_buffering=True,
+        write_through=True,
+    )
+
+
 def dump_stacks_on_signal() -> None:
     if not STATE_DIR:
         return
     stacks = open(protocol.state_path(STATE_DIR, RANK, protocol.STACKS), "a")  # noqa: SIM115 - open for the process's life
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+    faulthandler.register(protocol.STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
 
 
 def main(argv: list[str]) -> None:
@@ -197,6 +233,8 @@ def main(argv: list[str]) -> None:
     set_phase("started")
     if kind == "command":
         os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec
+    if os.environ.get(protocol.FRAMED) == "1":
+        frame_stderr()
     dump_stacks_on_signal()
     sys.meta_path.insert(0, _InitWatcher())
     from ddpkit.errors import install_excepthook
@@ -209,8 +247,7 @@ def main(argv: list[str]) -> None:
             sys.path.insert(0, os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
+            run_script(target)
     except SystemExit as done:
         if done.code not in (None, 0):
             write_error("SystemExit", f"sys.exit({done.code!r})")
@@ -224,6 +261,23 @@ def main(argv: list[str]) -> None:
         sys.excepthook(type(err), err.with_traceback(trimmed), trimmed)
         exit_quickly(1)
     exit_quickly(0)
+
+
+def run_script(target: str) -> None:
+    """Run a script as `python script.py` does: sys.argv[0] as given, __file__ and sys.path[0]
+    absolute, the script's own module as __main__ (so pickling and multiprocessing find it)."""
+    path = os.path.abspath(target)
+    sys.path[0] = os.path.dirname(path)
+    if not path.endswith(".py") and (os.path.isdir(path) or zipfile.is_zipfile(path)):
+        runpy.run_path(path, run_name="__main__")  # a folder or zip with __main__.py
+        return
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)  # noqa: S102 - the user's script, as python itself runs it
 
 
 def exit_quickly(code: object) -> None:

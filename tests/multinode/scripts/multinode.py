@@ -103,6 +103,7 @@ def main(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="simple distributed training job")
     parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=int, nargs="?", default=1, help="How often to save")
     parser.add_argument("--batch_size", default=32, type=int, help="Input batch size")
     parser.add_argument("--sleep", default=0.0, type=float, help="seconds between epochs")
     parser.add_argument("--fail-rank", type=int, default=-1)
