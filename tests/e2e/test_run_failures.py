@@ -119,7 +119,7 @@ def test_a_privileged_port_gets_a_warning_with_the_fix(tmp_path):
     [
         (["missing.py"], "script 'missing.py' not found"),
         (["-n", "0", "x.py"], "must be at least 1"),
-        (["--frobnicate", "x.py"], "unrecognized arguments: --frobnicate"),
+        (["--frobnicate", "x.py"], "ddpkit run does not know --frobnicate"),
         (["-n", "gpu", "x.py"], "no GPU is visible"),
     ],
 )

@@ -1,7 +1,7 @@
 """The hang doctor: tell a stalled job from a busy one, then say which rank is where.
 
 The rule (docs/hang-doctor.md): a rank makes progress in a sampling interval when it finished
-a collective, when ddpkit's helpers beat (a loader batch, a reduce), or when, outside any
+a collective, when ddpkit's loader beats (a batch), or when, outside any
 collective, its process tree used at least BUSY_SHARE of a core (computing on the CPU, or
 feeding and waiting on a GPU, which spins a core). The job is hung when no rank has made
 progress for the hang timeout. A rank that computes for an hour is not hung; a rank that

@@ -63,22 +63,21 @@ class Console:
         """`data` with the prefix at the start of each line, as a terminal should show it."""
         if not prefix:
             return data
-        parts = []
+        out = bytearray()
         if self.owner is not None and self.owner != rank:
-            parts.append(b"\n")  # another rank's line is open: start a line of our own
+            out += b"\n"  # another rank's line is open: start a line of our own
             self.owner, self.bare = None, False
-        if b"\r" not in data:
-            body = data
+        if b"\r" not in data:  # the fast path: whole lines, one pass
             if self.owner is None:
-                body = prefix + body
-            if body.endswith(b"\n"):
-                body = body[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
+                out += prefix
+            out += data.replace(b"\n", b"\n" + prefix)
+            if data.endswith(b"\n"):
+                del out[-len(prefix) :]  # the next line's prefix comes with it
                 self.owner, self.bare = None, False
             else:
-                body = body.replace(b"\n", b"\n" + prefix)
                 self.owner, self.bare = rank, False
-            parts.append(body)
-            return b"".join(parts)
+            return bytes(out)
+        parts = [bytes(out)]
         for piece in _pieces(data):  # the slow path, for progress bars
             if piece.startswith(b"\r"):
                 parts.append(b"\r" + prefix + piece[1:])
@@ -205,6 +204,8 @@ class RankOutput:
 
     def _frames(self, chunk: bytes) -> list[tuple[int, bytes]]:
         """(stream, bytes) runs of a chunk: stderr between the bootstrap's markers."""
+        if not self._split and b"\x1e" not in chunk:  # no marker, not even part of one
+            return [(self._stream, chunk)]
         data, self._split = self._split + chunk, b""
         runs = []
         while data:
@@ -268,6 +269,14 @@ class RankOutput:
         )
 
     def _keep_tail(self, data: bytes) -> None:
+        # only the end can be in the tail: look at the last TAIL_LINES lines, no further
+        start = len(data)
+        for _ in range(TAIL_LINES + 1):
+            start = data.rfind(b"\n", 0, start)
+            if start < 0:
+                break
+        if start > 0:
+            self._line, data = b"", data[start + 1 :]
         lines = data.split(b"\n")
         lines[0] = self._line + lines[0]
         for line in lines[:-1]:

@@ -218,7 +218,6 @@ def worker_env(
             protocol.INIT_TIMEOUT: str(cfg.init_timeout + 30),
         }
     )
-    env.setdefault("PYTHONUNBUFFERED", "1")
     if cfg.track and cfg.hang_timeout > 0:
         # NCCL's flight recorder: the hang doctor's record of collectives in flight
         if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:

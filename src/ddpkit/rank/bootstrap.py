@@ -24,6 +24,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -188,6 +189,35 @@ def record_errors() -> None:
     sys.excepthook = hook
 
 
+FLUSH_EVERY = 0.05  # seconds: the most a printed line waits in the rank's stdout buffer
+
+
+def buffer_stdout() -> None:
+    """Python's stdout into the launcher's pipe: a 64 KiB buffer that a thread flushes every
+    FLUSH_EVERY s (and stderr writes flush first). A chatty rank then writes in large blocks
+    instead of one system call per line, and a line still shows within 50 ms. Not done when
+    the user set PYTHONUNBUFFERED, which keeps Python's own meaning."""
+    if os.environ.get("PYTHONUNBUFFERED"):
+        return
+    old = sys.stdout
+    raw = io.FileIO(1, "w", closefd=False)
+    sys.stdout = io.TextIOWrapper(
+        io.BufferedWriter(raw, 1 << 16),
+        encoding=getattr(old, "encoding", None) or "utf-8",
+        errors=getattr(old, "errors", None) or "strict",
+    )
+
+    def flush_now_and_then() -> None:
+        while True:
+            time.sleep(FLUSH_EVERY)
+            try:
+                sys.stdout.flush()
+            except Exception:  # a closed or replaced stdout: the script's business
+                pass
+
+    threading.Thread(target=flush_now_and_then, daemon=True, name="ddpkit-flush").start()
+
+
 class _FramedStderr(io.RawIOBase):
     """fd 2 (the pipe stdout shares), with each write framed as stderr for the launcher."""
 
@@ -198,6 +228,10 @@ class _FramedStderr(io.RawIOBase):
         return 2
 
     def write(self, data: Any) -> int:
+        try:
+            sys.stdout.flush()  # what was printed before comes first
+        except Exception:
+            pass
         view = protocol.ERR_START + bytes(data) + protocol.ERR_END
         while view:
             try:
@@ -234,6 +268,7 @@ def main(argv: list[str]) -> None:
     if kind == "command":
         os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec
     if os.environ.get(protocol.FRAMED) == "1":
+        buffer_stdout()
         frame_stderr()
     dump_stacks_on_signal()
     sys.meta_path.insert(0, _InitWatcher())
