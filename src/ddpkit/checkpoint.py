@@ -1,15 +1,19 @@
 """Checkpoints that survive a crash mid-write and load onto the right device.
 
 `save` is collective: rank 0 writes to a temporary file beside the target, fsyncs it, renames it
-over the target (atomic on POSIX) and fsyncs the folder; the others wait at a barrier. A save
-killed midway leaves the previous checkpoint intact. `load` reads with weights_only=True unless
-the caller opts out.
+over the target (atomic on POSIX) and fsyncs the folder, then broadcasts whether it worked, so
+every rank returns or every rank raises the same CheckpointError (a full disk never leaves the
+others waiting). A save killed midway leaves the previous checkpoint intact, and its temporary
+file is removed by the next save. `load` reads with weights_only=True unless the caller opts
+out.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ def write_atomic(obj: Any, path: str | os.PathLike[str]) -> Path:
     """torch.save `obj` to `path` so that readers see the old file or the new one, never half."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -38,6 +43,31 @@ def write_atomic(obj: Any, path: str | os.PathLike[str]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+STALE = 60.0  # seconds: a temporary file not written to for this long belongs to a dead save
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """What a save killed midway left beside `target` (as large as the checkpoint)."""
+    now = time.time()
+    for tmp in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE:
+                tmp.unlink()
+        except OSError:
+            pass
+
+
+def why(err: BaseException) -> str:
+    """A short reason for a failed write: the OS error where there is one."""
+    for cause in (err, err.__cause__, err.__context__):
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+    text = str(err)
+    if "No space left" in text or "error code: 28" in text or "errno 28" in text.lower():
+        return "No space left on device"
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:200]
 
 
 def read(path: str | os.PathLike[str], device: torch.device, weights_only: bool = True) -> Any:

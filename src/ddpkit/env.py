@@ -121,7 +121,7 @@ def _read_slurm(env: Mapping[str, str]) -> DistEnv:
     if per_node:
         counts = expand_tasks_per_node(per_node)
         name = "SLURM_NTASKS_PER_NODE" if "SLURM_NTASKS_PER_NODE" in env else "SLURM_TASKS_PER_NODE"
-        if not counts:
+        if not counts or min(counts) < 1:
             raise EnvError(
                 f"{name}={per_node!r} is not a task count list like '2(x3),1'",
                 fix="run the job step with srun, which sets it",
@@ -130,39 +130,55 @@ def _read_slurm(env: Mapping[str, str]) -> DistEnv:
     else:
         local_world_size = world_size
     local_rank = _rank(env, "SLURM_LOCALID", local_world_size, default=rank % local_world_size)
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    hosts = expand_hostlist(nodelist) if nodelist else []
     if "MASTER_ADDR" in env:
         addr, port = _master(env, required=False)
     else:
-        addr = hosts[0] if hosts and len(hosts) > 1 else LOOPBACK
-        port = _slurm_port(env)
+        first, count = slurm_hosts(env)
+        addr = first if count > 1 else LOOPBACK
+        port = slurm_port(env)
     return DistEnv(rank, local_rank, world_size, local_world_size, node_rank, addr, port, "slurm")
 
 
-def _slurm_port(env: Mapping[str, str]) -> int:
-    """A port every task of the job derives alike (same rule as Lightning): 15000 + last 4
-    digits of the job id, unless MASTER_PORT says otherwise."""
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The port every task of a SLURM job derives alike (as Lightning does): 15000 + the last
+    4 digits of the job id, unless MASTER_PORT says otherwise."""
     if "MASTER_PORT" in env:
         return _port(env)
     job = env.get("SLURM_JOB_ID", "")
     return 15000 + int(job[-4:]) if job.isdigit() else DEFAULT_PORT
 
 
-def expand_hostlist(text: str) -> list[str]:
+def slurm_hosts(env: Mapping[str, str]) -> tuple[str, int]:
+    """(first host, number of hosts) of the job's node list, checked, never expanded whole."""
+    name = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
+    text = env.get(name, "")
+    if not text:
+        return LOOPBACK, 0
+    items = _hostlist_items(text, name)
+    first_prefix, first_ranges, first_suffix = items[0]
+    if first_ranges:
+        lo, _, width = first_ranges[0]
+        first = f"{first_prefix}{lo:0{width}d}{first_suffix}"
+    else:
+        first = first_prefix + first_suffix
+    count = sum(sum(hi - lo + 1 for lo, hi, _ in ranges) if ranges else 1 for _, ranges, _ in items)
+    return first, count
+
+
+MAX_HOSTS = 1_000_000
+
+
+def expand_hostlist(text: str, name: str = "SLURM_JOB_NODELIST") -> list[str]:
     """SLURM's compressed host list, e.g. 'gpu[01-03,7],cpu1' -> gpu01 gpu02 gpu03 gpu7 cpu1."""
     hosts: list[str] = []
-    for prefix, body, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", text):
-        if not body:
+    items = _hostlist_items(text, name)
+    if sum(sum(h - lo + 1 for lo, h, _ in r) if r else 1 for _, r, _ in items) > MAX_HOSTS:
+        raise EnvError(f"{name}={text!r} names more than {MAX_HOSTS} hosts", fix=LAUNCH_FIX)
+    for prefix, ranges, suffix in items:
+        if not ranges:
             hosts.append(prefix + suffix)
-            continue
-        for part in body.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo + suffix)
-                continue
-            width = len(lo)
-            hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+        for lo, hi, width in ranges:
+            hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(lo, hi + 1))
     return hosts
 
 
@@ -171,10 +187,31 @@ def expand_tasks_per_node(text: str) -> list[int]:
     counts: list[int] = []
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
+        if not m or len(counts) > MAX_HOSTS:
             return []
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+        counts.extend([int(m.group(1))] * min(int(m.group(2) or 1), MAX_HOSTS))
     return counts
+
+
+def _hostlist_items(text: str, name: str) -> list[tuple[str, list[tuple[int, int, int]], str]]:
+    """(prefix, [(lo, hi, width)], suffix) per item of a SLURM host list; EnvError if bad."""
+    items = []
+    bad = EnvError(
+        f"{name}={text!r} is not a SLURM host list like 'gpu[01-04,7],cpu1'",
+        fix="run under srun/sbatch, which set it, or unset it",
+    )
+    for prefix, body, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", text):
+        ranges = []
+        if body:
+            for part in body.split(","):
+                lo, _, hi = part.partition("-")
+                if not lo.isdigit() or (hi and not hi.isdigit()) or int(hi or lo) < int(lo):
+                    raise bad
+                ranges.append((int(lo), int(hi or lo), len(lo)))
+        items.append((prefix.strip(), ranges, suffix))
+    if not items or "[" in text and not any(r for _, r, _ in items):
+        raise bad
+    return items
 
 
 # -- Open MPI mpirun ------------------------------------------------------------------------------
@@ -196,11 +233,21 @@ def _read_mpi(env: Mapping[str, str]) -> DistEnv:
 # -- value checks ---------------------------------------------------------------------------
 
 
-def _int(env: Mapping[str, str], name: str, minimum: int, default: int | None = None) -> int:
+SLURM_FIX = "run the job step with srun (which sets it), or unset it"
+
+
+def _int(
+    env: Mapping[str, str],
+    name: str,
+    minimum: int,
+    default: int | None = None,
+    fix: str | None = None,
+) -> int:
+    fix = fix or (SLURM_FIX if name.startswith("SLURM_") else LAUNCH_FIX)
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
-            raise EnvError(f"{name} is not set", fix=f"set {name}, or {LAUNCH_FIX}")
+            raise EnvError(f"{name} is not set", fix=f"set {name}, or {fix}")
         return default
     try:
         value = int(raw.strip())
@@ -211,9 +258,9 @@ def _int(env: Mapping[str, str], name: str, minimum: int, default: int | None = 
             if several
             else "it must be an integer"
         )
-        raise EnvError(f"{name}={raw!r} is not one integer: {why}", fix=LAUNCH_FIX) from None
+        raise EnvError(f"{name}={raw!r} is not one integer: {why}", fix=fix) from None
     if value < minimum:
-        raise EnvError(f"{name}={raw!r} is below {minimum}", fix=LAUNCH_FIX)
+        raise EnvError(f"{name}={raw!r} is below {minimum}", fix=fix)
     return value
 
 

@@ -54,6 +54,13 @@ def debug_enabled() -> bool:
     return os.environ.get("DDPKIT_DEBUG", "") not in ("", "0")
 
 
+def debug_note(where: str, err: BaseException) -> None:
+    """An error a diagnostic swallowed on purpose (it must not break what it serves), shown
+    under DDPKIT_DEBUG=1 so that it can still be seen."""
+    if debug_enabled():
+        print(f"ddpkit: debug: {where}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+
+
 def install_excepthook() -> None:
     """Print an uncaught DdpkitError as `error:` / `fix:` lines instead of a traceback."""
     previous = sys.excepthook

@@ -29,6 +29,7 @@ from torch import nn
 from ddpkit import checkpoint, comm, loaders, protocol
 from ddpkit.env import DistEnv, check_gpu_fit, read_env
 from ddpkit.errors import ConfigError, EnvError, InitTimeoutError, install_excepthook
+from ddpkit.ranges import ranks_text
 from ddpkit.seeding import seed_everything
 
 DEFAULT_INIT_TIMEOUT = 300.0
@@ -240,8 +241,8 @@ class Session:
         if self.is_main:
             try:
                 checkpoint.write_atomic(obj, path)
-            except OSError as err:
-                error = f"{path}: {err}"
+            except Exception as err:  # torch.save says ENOSPC as a RuntimeError
+                error = f"{path}: {checkpoint.why(err)}"
         if self.world_size > 1:
             box = [error]
             dist.broadcast_object_list(box, src=0, device=self._comm_device)
@@ -278,8 +279,11 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        self.close(failed=kind is not None)
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: object
+    ) -> None:
+        ended_well = kind is None or (isinstance(value, SystemExit) and value.code in (None, 0))
+        self.close(failed=not ended_well)
 
 
 def setup(
@@ -444,6 +448,10 @@ def _rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
     not, within init_timeout)."""
     if env.world_size == 1 and env.launcher == "none":
         return dist.HashStore()
+    state_dir = os.environ.get(protocol.STATE_DIR)
+    if state_dir:  # the launcher's init watch starts now: it names who never arrives
+        with contextlib.suppress(OSError):
+            protocol.write_phase(state_dir, env.rank, "init")
     # Under ddpkit run / torchrun the launcher holds the store; otherwise rank 0 does.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_server = env.rank == 0 and not agent_store
@@ -473,21 +481,18 @@ def _rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"ddpkit/arrive/{attempt}/"
     store.set(f"{prefix}{env.rank}", "1")
-    store.add(f"{prefix}count", 1)
-    deadline = started + init_timeout
-    while store.add(f"{prefix}count", 0) < env.world_size:
-        if time.monotonic() > deadline:
-            missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
-            arrived = env.world_size - len(missing)
-            raise InitTimeoutError(
-                f"{arrived} of {env.world_size} ranks arrived at init within "
-                f"{init_timeout:.0f} s; missing: rank {_ranges(missing)}",
-                fix="start every rank with the same WORLD_SIZE (ddpkit run does), or look at "
-                "why the missing ranks stopped before setup()",
-            )
-        time.sleep(0.02)
+    if store.add(f"{prefix}count", 1) == env.world_size:
+        store.set(f"{prefix}all", "1")  # the last to arrive tells the others: no polling
+    left = max(0.0, started + init_timeout - time.monotonic())
+    try:
+        store.wait([f"{prefix}all"], timedelta(seconds=left))
+    except (RuntimeError, dist.DistError):
+        missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
+        arrived = env.world_size - len(missing)
+        raise InitTimeoutError(
+            f"{arrived} of {env.world_size} ranks arrived at init within "
+            f"{init_timeout:.0f} s; missing: rank {ranks_text(missing)}",
+            fix="start every rank with the same WORLD_SIZE (ddpkit run does), or look at "
+            "why the missing ranks stopped before setup()",
+        ) from None
     return dist.PrefixStore(f"ddpkit/pg/{attempt}", store)
-
-
-def _ranges(ranks: list[int]) -> str:
-    return ",".join(str(r) for r in ranks)

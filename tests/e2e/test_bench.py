@@ -229,4 +229,4 @@ def test_plot_without_matplotlib_is_a_clear_error_before_anything_starts(tmp_pat
 def test_a_flag_of_the_other_bench_is_refused(args, foreign):
     out = bench(*args)
     assert out.returncode == 2
-    assert f"unrecognized arguments: {foreign}" in out.stderr
+    assert f"does not know {foreign}" in out.stderr

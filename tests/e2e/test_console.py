@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.e2e import terminal
-from tests.e2e.helpers import SCRIPTS, gone_within, start
+from tests.e2e.helpers import SCRIPTS, start
 
 pytestmark = pytest.mark.timeout(120)
 DDPKIT = [sys.executable, "-m", "ddpkit"]
@@ -342,10 +342,3 @@ def test_redirects_keep_a_ranks_output_in_its_log_only(tmp_path):
     assert "[rank 0] rank 0 of 2" in job.stdout
     assert "[rank 1]" not in job.stdout
     assert "rank 1 of 2" in next((tmp_path / "logs").glob("*/rank1.log")).read_text()
-
-
-def test_sigterm_during_start_up_is_honoured_at_once(tmp_path):
-    job = start(["-n", "40", "--grace", "1", str(SCRIPTS / "phases.py"), "before-init"], tmp_path)
-    job.wait_for("[rank 0] ready")
-    job.proc.send_signal(signal.SIGTERM)
-    assert gone_within(job, 20) < 15

@@ -49,7 +49,10 @@ def test_script_arguments_are_passed_untouched(script, gpus):
     )
 
 
-def test_module_and_its_arguments(gpus):
+def test_module_and_its_arguments(gpus, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "train.py").write_text("")
     cfg = parse(["-m", "pkg.train", "--epochs", "1"])
     assert (cfg.kind, cfg.target, cfg.args) == ("module", "pkg.train", ("--epochs", "1"))
 
@@ -160,3 +163,9 @@ def test_hang_doctor_options(script, gpus):
     assert parse(["--check-collectives", script]).check_collectives
     assert parse([script], {"DDPKIT_CHECK_COLLECTIVES": "1"}).check_collectives
     assert not parse([script], {"DDPKIT_CHECK_COLLECTIVES": "0"}).check_collectives
+
+
+def test_a_module_that_is_nowhere_is_refused_before_anything_starts(gpus, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="no module 'nopkg_xyz'"):
+        parse(["-m", "nopkg_xyz.train"])

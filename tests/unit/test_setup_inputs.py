@@ -51,3 +51,32 @@ def test_a_backend_the_script_names_wins_over_the_variable(monkeypatch):
     monkeypatch.setenv("DDPKIT_BACKEND", "nccl")  # would fail here: no GPU
     with ddpkit.setup(backend="gloo") as s:
         assert s.backend == "gloo"
+
+
+SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"SLURM_TASKS_PER_NODE": "0"}, "SLURM_TASKS_PER_NODE='0' is not a task count list"),
+        ({"SLURM_NODELIST": "n[1-x]"}, "SLURM_NODELIST='n[1-x]' is not a SLURM host list"),
+        ({"SLURM_NODELIST": "n[5-1]"}, "SLURM_NODELIST='n[5-1]' is not a SLURM host list"),
+    ],
+)
+def test_bad_slurm_variables_are_named_under_setup(monkeypatch, extra, says):
+    for name, value in {**SLURM, **extra}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        ddpkit.setup()
+    assert says in str(err.value)
+
+
+def test_a_huge_node_list_is_read_without_building_it():
+    import time
+
+    from ddpkit.env import slurm_hosts
+
+    began = time.monotonic()
+    assert slurm_hosts({"SLURM_NODELIST": "n[1-99999999]"}) == ("n1", 99999999)
+    assert time.monotonic() - began < 0.5

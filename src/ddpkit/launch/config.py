@@ -7,21 +7,27 @@ underscores, e.g. DDPKIT_NPROC_PER_NODE=2); a flag on the command line wins.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import shutil
+import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ddpkit.env import DEFAULT_PORT, LOOPBACK, expand_hostlist
+from ddpkit.env import LOOPBACK, _int, slurm_hosts, slurm_port
 from ddpkit.errors import ConfigError
 from ddpkit.gpus import visible_gpu_count
 from ddpkit.launch import torchrun_flags
 from ddpkit.launch.torchrun_flags import TorchrunOptions
 
 TargetKind = Literal["script", "module", "command"]
+DAY, WEEK = 86400.0, 7 * 86400.0  # the longest grace, and the longest timeouts
+MAX_NODES = 100_000
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 __all__ = ["LaunchConfig", "add_options", "add_switches", "build", "from_args", "replace"]
 
 # flag -> (default, help); the environment variable is DDPKIT_ + flag in upper snake case.
@@ -182,7 +188,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     kind, target, rest = _target(args)
     min_nodes, nnodes, node_rank, master_addr, master_port = _nodes(args, env)
     nproc, backend = _nproc(args.nproc_per_node, env)
-    max_restarts = _number(args.max_restarts, "--max-restarts", int, minimum=0)
+    max_restarts = _number(args.max_restarts, "--max-restarts", int, minimum=0, maximum=1000)
     if min_nodes != nnodes and not args.rdzv:
         raise ConfigError(
             f"--nnodes {min_nodes}:{nnodes} (elastic membership) needs --rdzv",
@@ -213,18 +219,18 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         master_addr=master_addr,
         master_port=master_port,
         max_restarts=max_restarts,
-        node_timeout=_number(args.node_timeout, "--node-timeout", float, minimum=1),
+        node_timeout=_number(args.node_timeout, "--node-timeout", float, minimum=1, maximum=DAY),
         local_addr=args.local_addr or None,
-        grace=_number(args.grace, "--grace", float, minimum=0),
-        init_timeout=_number(args.init_timeout, "--init-timeout", float, minimum=0.1),
+        grace=_number(args.grace, "--grace", float, minimum=0, maximum=DAY),
+        init_timeout=_number(args.init_timeout, "--init-timeout", float, minimum=0.1, maximum=WEEK),
         log_dir=Path(args.log_dir).expanduser() if args.log_dir else None,
-        ranks=_ranks(args.ranks) if args.ranks else None,
+        ranks=_ranks(args.ranks, nproc * nnodes) if args.ranks else None,
         stdin=_stdin(args.stdin),
-        run_id=args.run_id or uuid.uuid4().hex[:8],
+        run_id=_run_id(args.run_id) if args.run_id else uuid.uuid4().hex[:8],
         omp_threads=None if "OMP_NUM_THREADS" in env else _omp_threads(nproc),
         run_id_given=bool(args.run_id),
         master_addr_given=bool(args.master_addr),
-        hang_timeout=_number(args.hang_timeout, "--hang-timeout", float, minimum=0),
+        hang_timeout=_number(args.hang_timeout, "--hang-timeout", float, minimum=0, maximum=WEEK),
         check_collectives=bool(getattr(args, "check_collectives", False)),
         torchrun=torchrun or TorchrunOptions(),
     )
@@ -233,6 +239,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
 def _target(args: argparse.Namespace) -> tuple[TargetKind, str, tuple[str, ...]]:
     words = list(args.target)
     if args.module:
+        _check_module(args.module)
         return "module", args.module, tuple(words)
     if not words:
         raise ConfigError(
@@ -240,9 +247,15 @@ def _target(args: argparse.Namespace) -> tuple[TargetKind, str, tuple[str, ...]]
         )
     first, rest = words[0], tuple(words[1:])
     if args.no_python:
-        if shutil.which(first) is None and not Path(first).is_file():
+        found = shutil.which(first) or (first if Path(first).is_file() else None)
+        if found is None:
             raise ConfigError(
                 f"command {first!r} not found on PATH", fix="give the full path, or install it"
+            )
+        if not os.access(found, os.X_OK):
+            raise ConfigError(
+                f"{first!r} is not executable",
+                fix=f"chmod +x {first}, or run it with its interpreter",
             )
         return "command", first, rest
     if first.startswith("-"):
@@ -275,6 +288,14 @@ def _nproc(value: str, env: Mapping[str, str]) -> tuple[int, str]:
             )
         return gpus, "nccl"
     n = _number(value, "-n/--nproc-per-node", int, minimum=1, allowed="a number, gpu, cpu or auto")
+    limit = _nproc_limit(env)
+    if not gpus and n > limit:
+        cores = _cores()
+        raise ConfigError(
+            f"-n {n} starts {n} CPU processes on {cores} core(s); past {limit} they only "
+            "fight for the cores and memory (each rank holds its own torch)",
+            fix=f"use at most -n {limit}, or set DDPKIT_NPROC_LIMIT={n} if you mean it",
+        )
     if gpus and n > gpus:
         raise ConfigError(
             f"-n {n} starts {n} processes but only {gpus} GPU(s) are visible; with nccl each "
@@ -288,14 +309,16 @@ def _nodes(
     args: argparse.Namespace, env: Mapping[str, str]
 ) -> tuple[int, int, int | None, str, int]:
     low, sep, high = str(args.nnodes).partition(":")
-    nnodes = _number(high if sep else low, "--nnodes", int, minimum=1)
-    min_nodes = _number(low, "--nnodes", int, minimum=1) if sep else nnodes
+    nnodes = _number(high if sep else low, "--nnodes", int, minimum=1, maximum=MAX_NODES)
+    min_nodes = _number(low, "--nnodes", int, minimum=1, maximum=MAX_NODES) if sep else nnodes
     if min_nodes > nnodes:
         raise ConfigError(
             f"--nnodes {args.nnodes}: MIN is larger than MAX", fix="e.g. --nnodes 2:4"
         )
     node_rank = (
-        None if args.node_rank is None else _number(args.node_rank, "--node-rank", int, minimum=0)
+        None
+        if args.node_rank is None
+        else _number(args.node_rank, "--node-rank", int, minimum=0, maximum=MAX_NODES)
     )
     master_addr = args.master_addr or LOOPBACK
     master_port = _number(args.master_port, "--master-port", int, minimum=0)
@@ -304,22 +327,20 @@ def _nodes(
             f"--master-port {master_port} is not a TCP port (1-65535)",
             fix="use a port above 1024, or leave it out",
         )
-    slurm_nodes = int(env.get("SLURM_NNODES", "1") or 1)
-    if "SLURM_PROCID" in env and slurm_nodes > 1 and nnodes == 1 and not args.rdzv:
+    slurm_nodes = _int(env, "SLURM_NNODES", minimum=1, default=1) if "SLURM_PROCID" in env else 1
+    if slurm_nodes > 1 and nnodes == 1 and not args.rdzv:
         # `srun ddpkit run ...`: one launcher per node, nodes and rank 0's host from SLURM.
-        tasks = int(env.get("SLURM_NTASKS", slurm_nodes) or slurm_nodes)
+        tasks = _int(env, "SLURM_NTASKS", minimum=1, default=slurm_nodes)
         if tasks != slurm_nodes:
             raise ConfigError(
                 f"srun started {tasks} tasks on {slurm_nodes} nodes; ddpkit run starts the "
                 "processes of a node itself, so it needs exactly one task per node",
                 fix="srun --ntasks-per-node=1 ddpkit run -n gpu train.py",
             )
-        nnodes, node_rank = slurm_nodes, int(env.get("SLURM_NODEID", "0"))
+        nnodes, node_rank = slurm_nodes, _int(env, "SLURM_NODEID", minimum=0, default=0)
         min_nodes = nnodes
-        hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-        master_addr = args.master_addr or (hosts[0] if hosts else LOOPBACK)
-        job = env.get("SLURM_JOB_ID", "")
-        master_port = master_port or (15000 + int(job[-4:]) if job.isdigit() else DEFAULT_PORT)
+        master_addr = args.master_addr or slurm_hosts(env)[0]
+        master_port = master_port or slurm_port(env)
     if nnodes > 1 and node_rank is not None:
         if node_rank >= nnodes:
             raise ConfigError(
@@ -379,31 +400,92 @@ def _stdin(text: str) -> str:
     )
 
 
-def _ranks(text: str) -> frozenset[int]:
+def _ranks(text: str, world: int) -> frozenset[int]:
     try:
-        return frozenset(int(r) for r in text.split(",") if r.strip())
+        ranks = frozenset(int(r) for r in text.split(",") if r.strip())
     except ValueError:
+        ranks = frozenset({-1})
+    if not ranks or min(ranks) < 0 or max(ranks) >= world:
         raise ConfigError(
-            f"--ranks {text!r} is not a list of ranks", fix="e.g. --ranks 0 or --ranks 0,2"
-        ) from None
+            f"--ranks {text!r} is not a list of ranks of this job (0 to {world - 1})",
+            fix="e.g. --ranks 0 or --ranks 0,1",
+        )
+    return ranks
 
 
-def _number(value: object, flag: str, kind: type, minimum: float, allowed: str = "") -> Any:
+def _run_id(text: str) -> str:
+    if not RUN_ID.fullmatch(text) or ".." in text:
+        raise ConfigError(
+            f"--run-id {text[:80]!r} is not a job id: letters, digits, '.', '_' and '-', "
+            "at most 64, starting with a letter or digit",
+            fix="e.g. --run-id exp42-lr3e-4",
+        )
+    return text
+
+
+def _number(
+    value: object,
+    flag: str,
+    kind: type,
+    minimum: float,
+    allowed: str = "",
+    maximum: float | None = None,
+) -> Any:
+    """A finite number of `kind` in [minimum, maximum], or a ConfigError naming the flag."""
     try:
-        number = kind(value)
-    except (TypeError, ValueError):
+        number = kind(str(value).strip()) if kind is float else kind(value)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(
             f"{flag} {value!r} is not {allowed or 'a number'}",
             fix=f"see `ddpkit run --help` for {flag}",
         ) from None
+    if kind is float and not math.isfinite(number):
+        raise ConfigError(
+            f"{flag} {value!r} is not a finite number of seconds",
+            fix=f"give {flag} a number of seconds" + (" (0: off)" if "hang" in flag else ""),
+        )
     if number < minimum:
         raise ConfigError(
             f"{flag} {value!r} must be at least {minimum:g}",
             fix=f"see `ddpkit run --help` for {flag}",
         )
+    if maximum is not None and number > maximum:
+        raise ConfigError(
+            f"{flag} {value!r} is more than {maximum:g}",
+            fix=f"use a value up to {maximum:g}",
+        )
     return number
 
 
-def _omp_threads(nproc: int) -> int:
+def _cores() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // nproc)
+    return cores or 1
+
+
+def _nproc_limit(env: Mapping[str, str]) -> int:
+    """CPU processes per node: 4 per core (at least 8), or DDPKIT_NPROC_LIMIT."""
+    raw = env.get("DDPKIT_NPROC_LIMIT", "").strip()
+    if raw:
+        return int(_number(raw, "DDPKIT_NPROC_LIMIT", int, minimum=1, maximum=100_000))
+    return max(8, 4 * _cores())
+
+
+def _check_module(name: str) -> None:
+    """`-m NAME`: its top-level package must be importable where the ranks start (the current
+    folder first). Found without importing anything."""
+    import importlib.machinery
+
+    top = name.split(".")[0]
+    if not top.isidentifier() or not all(p.isidentifier() for p in name.split(".")):
+        raise ConfigError(f"-m {name!r} is not a module name", fix="e.g. -m package.train")
+    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None and (
+        top not in sys.builtin_module_names
+    ):
+        raise ConfigError(
+            f"-m {name}: no module {top!r} in the current folder or on the Python path",
+            fix="check the name, run from the folder that holds it, or install its package",
+        )
+
+
+def _omp_threads(nproc: int) -> int:
+    return max(1, _cores() // nproc)

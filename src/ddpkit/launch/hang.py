@@ -27,6 +27,7 @@ import psutil
 from ddpkit import protocol
 from ddpkit.frames import is_bootstrap, is_library, torch_module
 from ddpkit.launch import flight
+from ddpkit.ranges import ranks_text
 
 BUSY_SHARE = 0.10
 IO_BYTES_PER_S = 64 * 1024  # a process tree reading or writing this much per second is busy
@@ -280,11 +281,11 @@ def verdict(places: dict[int, tuple[str, str]], hosts: dict[int, str] | None = N
 
 def _on_hosts(ranks: list[int], hosts: dict[int, str] | None) -> str:
     if hosts is None:
-        return ",".join(map(str, ranks))
+        return ranks_text(ranks)
     by_host: dict[str, list[int]] = {}
     for rank in ranks:
         by_host.setdefault(hosts.get(rank, "?"), []).append(rank)
-    return " and ".join(f"{','.join(map(str, rs))} on {host}" for host, rs in by_host.items())
+    return " and ".join(f"{ranks_text(rs)} on {host}" for host, rs in by_host.items())
 
 
 def _singular(what: str) -> str:

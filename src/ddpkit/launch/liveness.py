@@ -15,7 +15,11 @@ node where its ranks are (`hang/ask`) before it calls the job hung.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,11 +42,32 @@ class Abort:
     membership: bool = False  # nodes wait to join (--nnodes MIN:MAX): a new round, no failure
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__)
+        """The record, signed with DDPKIT_JOB_TOKEN when the nodes share one."""
+        body = json.dumps(self.__dict__, sort_keys=True)
+        return json.dumps({"abort": body, "sig": _sign(body)})
 
     @classmethod
-    def from_json(cls, text: str) -> Abort:
-        return cls(**json.loads(text))
+    def from_json(cls, text: str) -> Abort | None:
+        """The record, or None when it is not one of this job's launchers' (bad signature)."""
+        try:
+            outer = json.loads(text)
+            body, sig = outer["abort"], outer.get("sig")
+            if not hmac.compare_digest(str(sig), _sign(body)):
+                return None
+            return cls(**json.loads(body))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+# the variable holding a secret every node of a job shares; abort records must carry it
+TOKEN_VARIABLE = "DDPKIT_JOB_TOKEN"  # noqa: S105 - a variable's name, not a secret
+
+
+def _sign(body: str) -> str:
+    token = os.environ.get(TOKEN_VARIABLE, "")
+    if not token:
+        return ""
+    return hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
 
 
 class Liveness:
@@ -59,13 +84,15 @@ class Liveness:
         self.beats = 0
         self.longest_gap = 0.0  # the longest time between two answered beats (measured)
         self._progressed = False
+        self._said_forged = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ddpkit-liveness")
         self._done_nodes: set[int] = set()
         self.all_done = threading.Event()
 
     def start(self) -> None:
-        if self.node.multi_node:
+        # an elastic job of one node so far still watches for nodes that want to join
+        if self.node.store is not None and (self.node.multi_node or self.elastic):
             self._thread.start()
 
     def stop(self, wait: float = 2.0) -> None:
@@ -100,6 +127,14 @@ class Liveness:
                     self.hang_asked = True
                 if self.abort is None and store.has("abort"):
                     self.abort = Abort.from_json(store.get("abort"))
+                    if self.abort is None and not self._said_forged:
+                        self._said_forged = True
+                        print(
+                            "ddpkit: warning: ignored a stop request in the job's store that "
+                            f"was not signed with this job's {TOKEN_VARIABLE}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 now = time.monotonic()
                 self.longest_gap = max(self.longest_gap, now - last_ok) if self.beats else 0.0
                 self.beats += 1

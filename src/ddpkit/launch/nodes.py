@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit.errors import LaunchError
+from ddpkit.errors import ConfigError, LaunchError
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.ports import listen
 from ddpkit.launch.store import BoundedStore, StoreUnreachableError, bounded, serve
@@ -156,6 +156,7 @@ def join_rdzv(cfg: LaunchConfig, rendezvous: Any, kept: list[Any] | None = None)
 
 def _join_static(cfg: LaunchConfig) -> NodeGroup:
     rank = cfg.node_rank or 0
+    _resolve(cfg.master_addr)
     node = NodeGroup(group_rank=rank, nnodes=cfg.nnodes, master_addr=cfg.master_addr)
     deadline = time.monotonic() + cfg.init_timeout
     if rank == 0:
@@ -240,6 +241,18 @@ def serves_rendezvous(node: NodeGroup) -> bool:
         return bool(_matches_machine_hostname(node.rdzv_host))
     except Exception:
         return False
+
+
+def _resolve(host: str) -> None:
+    """A node-0 address that names no machine is a usage error, found before anything waits."""
+    try:
+        bounded(lambda: socket.getaddrinfo(host, None), CALL_LIMIT, f"looking up {host}")
+    except StoreUnreachableError as err:
+        raise ConfigError(
+            f"--master-addr {host!r} does not name a machine ({_cause(err)})",
+            fix="give node 0's host name or address as every node resolves it (see /etc/hosts "
+            "or DNS), the same on every node",
+        ) from None
 
 
 def _left(deadline: float) -> float:

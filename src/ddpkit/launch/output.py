@@ -25,8 +25,10 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import BinaryIO
 
+from ddpkit.launch.rundir import open_private
 from ddpkit.protocol import ERR_END, ERR_START
 
 TAIL_LINES = 30
@@ -151,7 +153,8 @@ class RankOutput:
         self.reads_stdin = reads_stdin  # this rank reads the terminal (input(), pdb)
         self.console = console
         self.log_path = log_path
-        self.log: BinaryIO | None = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        fd = open_private(Path(log_path))
+        self.log: BinaryIO | None = open(fd, "ab", buffering=0)  # noqa: SIM115 - closed in close()
         self.log_error: str | None = None
         self.tail: deque[bytes] = deque(maxlen=TAIL_LINES)  # the last lines, both streams
         self._line = b""  # the unfinished last line, for the tail (bounded)

@@ -3,12 +3,9 @@ the user's, checked, with the process that holds it named when it is busy."""
 
 from __future__ import annotations
 
-import logging
 import socket
 
-from ddpkit.errors import LaunchError
-
-log = logging.getLogger("ddpkit.launch")
+from ddpkit.errors import LaunchError, debug_note
 
 
 def listen(host: str, port: int = 0) -> socket.socket:
@@ -21,29 +18,33 @@ def listen(host: str, port: int = 0) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        holder = port_holder(port)
+        holder, training = port_holder(port)
         by = f" by {holder}" if holder else ""
         raise LaunchError(
             f"port {port} on {host or 'all interfaces'} is already in use{by} ({err.strerror})",
             fix="pick another with --master-port, or leave it out and ddpkit picks a free one"
-            + (f"; `ddpkit kill {holder.split()[1]}` ends a leftover job" if holder else ""),
+            + (f"; `ddpkit kill {holder.split()[1]}` ends that leftover job" if training else ""),
         ) from None
     sock.listen(1024)
     sock.set_inheritable(False)
     return sock
 
 
-def port_holder(port: int) -> str:
-    """'pid N (name)' of the process listening on `port`, when this user can see it."""
+def port_holder(port: int) -> tuple[str, bool]:
+    """('pid N (name)', whether it is a training process) of what listens on `port`, when this
+    user can see it; ('', False) otherwise."""
     try:
         import psutil
 
+        from ddpkit.procs import list_training_processes
+
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:
-                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
-    except Exception:
-        pass
-    return ""
+                training = any(p.pid == conn.pid for p in list_training_processes())
+                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})", training
+    except Exception as err:
+        debug_note("ports", err)
+    return "", False
 
 
 def warn_privileged(port: int) -> str | None:

@@ -8,12 +8,15 @@ not blamed for them.
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddpkit import protocol
+from ddpkit.launch.rundir import open_private
+from ddpkit.ranges import ranks_text
 
 # Errors a rank gets because a peer died: never the root cause while another rank failed.
 VICTIM_WORDS = (
@@ -23,10 +26,6 @@ VICTIM_WORDS = (
     "Broken pipe",
     "NCCL communicator was aborted",
 )
-
-
-def ranks_text(ranks: list[int]) -> str:
-    return ",".join(str(r) for r in ranks)
 
 
 def describe_exit(code: int | None) -> str:
@@ -154,14 +153,15 @@ class Outcome:
             if tail:
                 lines.append(f"  last lines of rank {root.rank}'s output:")
                 lines.extend(f"    | {line}" for line in tail)
-        others = [w for w in workers if w is not root]
+        others: dict[str, list[int]] = {}
+        for w in workers:
+            if w is not root:
+                what = "stopped by ddpkit" if w.stopped else describe_exit(w.exit_code)
+                others.setdefault(what, []).append(w.rank)
         if others:
             lines.append(
                 "  other ranks: "
-                + "; ".join(
-                    f"{w.rank} {'stopped by ddpkit' if w.stopped else describe_exit(w.exit_code)}"
-                    for w in others
-                )
+                + "; ".join(f"{ranks_text(ranks)} {what}" for what, ranks in others.items())
             )
         lines.append(f"  logs: {run_dir}")
         lines.append(f"  exit code: {self.exit_code}")
@@ -170,7 +170,8 @@ class Outcome:
             lines.insert(-2, "  logs cut short: " + "; ".join(logs_lost))
         self.text = "\n".join(lines)
         try:
-            (run_dir / "report.txt").write_text(self.text.lstrip("\n") + "\n")
+            with os.fdopen(open_private(run_dir / "report.txt"), "w") as f:
+                f.write(self.text.lstrip("\n") + "\n")
         except OSError as err:  # a full disk must not hide the report on the console
             self.text += f"\n  (report.txt not written: {err.strerror or err})"
 

@@ -26,14 +26,16 @@ import psutil
 
 from ddpkit import procs, protocol
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import crossnode, hang, report
+from ddpkit.launch import crossnode, hang, report, rundir
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.hang import HANG_EXIT_CODE
 from ddpkit.launch.liveness import BEAT, Abort, Liveness
 from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup, join
 from ddpkit.launch.output import CONSOLE, RankOutput
+from ddpkit.ranges import ranks_text
 
 PR_SET_CHILD_SUBREAPER = 36
+QUIETED = "_DDPKIT_QUIETED_TORCH"  # the launcher set TORCH_CPP_LOG_LEVEL for itself only
 POLL = 0.05
 
 
@@ -79,9 +81,15 @@ class Signals:
 def launch(cfg: LaunchConfig) -> int:
     """Run the job described by `cfg`; return the exit code for `ddpkit run`."""
     _become_subreaper()
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        # torch's C++ warnings about the launchers' own store connections (a node gone, a
+        # reverse lookup) are noise: ddpkit says what happened. The workers keep torch's level.
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        os.environ[QUIETED] = "1"
     if cfg.multi_node:
         meet = cfg.rdzv or f"{cfg.master_addr}:{cfg.master_port}"
         _say(f"waiting up to {cfg.init_timeout:g} s for {cfg.nnodes} nodes to meet at {meet}")
+    base = rundir.base_folder(cfg.log_dir)  # bad --log-dir: an error before anything starts
     node = join(cfg)  # before our handlers: Ctrl+C while waiting for nodes just stops
     signals = Signals()
     forwarded = set(FORWARDED) | set(cfg.torchrun.signals)
@@ -89,7 +97,10 @@ def launch(cfg: LaunchConfig) -> int:
     watchdog = None
     code = 1
     try:
-        run_dir = make_run_dir(cfg, node)
+        name = node.run_id if node.nnodes == 1 else f"{node.run_id}-node{node.group_rank}"
+        run_dir = rundir.make(base, name)
+        with contextlib.suppress(OSError):
+            rundir.prune(base)
         _say_start(cfg, node, run_dir)
         watchdog = _start_watchdog(node.run_id, cfg.grace)
         attempt, rounds = 0, 0
@@ -177,7 +188,7 @@ def _run_attempt(
         _stop_workers(workers, cfg.grace, signals, node.run_id)
         for w in workers:
             w.output.close()
-        _reap_orphans({w.proc.pid for w in workers})
+        _end_orphans({w.proc.pid for w in workers}, watchdog.pid)
     outcome.finalize(workers, run_dir, state_dir)
     return outcome
 
@@ -193,6 +204,8 @@ def worker_env(
     """The variables torchrun sets, plus ddpkit's own."""
     world = cfg.nproc_per_node * node.nnodes
     env = dict(os.environ)
+    if env.pop(QUIETED, None):
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
     env.update(
         {
             "RANK": str(rank),
@@ -391,7 +404,9 @@ def _errored(workers: list[Worker], state_dir: Path, now: float) -> list[Worker]
         except OSError:
             continue
         if time.time() - written > ERROR_EXIT_WAIT:
-            w.exit_code, w.ended_wall = 1, written
+            record = protocol.read_error(state_dir, w.rank)
+            code = record.exit_code if record and record.exit_code is not None else 1
+            w.exit_code, w.ended_wall = code, written  # the code the rank meant to exit with
             stuck.append(w)
     return stuck
 
@@ -412,8 +427,8 @@ def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> 
     if not absent or waited < timeout:
         return None
     return (
-        f"rank {report.ranks_text(absent)} never reached init_process_group; rank "
-        f"{report.ranks_text(sorted(waiting))} waited {waited:.0f} s for it "
+        f"rank {ranks_text(absent)} never reached init_process_group; rank "
+        f"{ranks_text(sorted(waiting))} waited {waited:.0f} s for it "
         f"(--init-timeout {timeout:g})"
     )
 
@@ -449,9 +464,18 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def _reap_orphans(worker_pids: set[int]) -> None:
-    for child in psutil.Process().children():
-        if child.pid not in worker_pids:
+def _end_orphans(worker_pids: set[int], watchdog_pid: int) -> None:
+    """What the job left behind that re-parented to the launcher (a subreaper): a daemon that
+    double-forked and dropped its environment is found here, ended, and reaped."""
+    me = psutil.Process()
+    left = [p for p in me.children() if p.pid not in worker_pids and p.pid != watchdog_pid]
+    for orphan in list(left):
+        with contextlib.suppress(psutil.Error):
+            left += orphan.children(recursive=True)
+    if left:
+        procs.terminate(left, 1.0)
+    for child in me.children():
+        if child.pid != watchdog_pid:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(child.pid, os.WNOHANG)
 
@@ -490,23 +514,6 @@ def _finish_watchdog(watchdog: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         watchdog.kill()
         watchdog.wait()
-
-
-def make_run_dir(cfg: LaunchConfig, node: NodeGroup) -> Path:
-    """The run's folder (0700): one log per rank, state files, reports."""
-    if cfg.log_dir is not None:
-        base = cfg.log_dir
-    else:
-        import tempfile
-
-        base = Path(tempfile.gettempdir()) / f"ddpkit-{os.getuid()}"
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    name = node.run_id if node.nnodes == 1 else f"{node.run_id}-node{node.group_rank}"
-    run_dir = base / name
-    if run_dir.exists():  # the same --run-id again: keep the earlier run's logs
-        run_dir = base / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    run_dir.mkdir(mode=0o700)
-    return run_dir
 
 
 def _say(text: str, prefix: str = "ddpkit: ") -> None:

@@ -62,7 +62,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
 
     def flag(name: str, **kw: object) -> None:
-        group.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)  # type: ignore[arg-type]
+        spellings = dict.fromkeys((f"--{name}", f"--{name.replace('-', '_')}"))
+        group.add_argument(*spellings, **kw)  # type: ignore[arg-type]
 
     flag("rdzv-backend", metavar="NAME", help="c10d or static (both what ddpkit does)")
     flag("standalone", action="store_true", help="one node, a free port (ddpkit's default)")

@@ -167,10 +167,10 @@ def describe_shapes(args: tuple[Any, ...]) -> str:
     return " ".join(shapes)
 
 
-def write_error(kind: str, message: str, trace: str = "") -> None:
+def write_error(kind: str, message: str, trace: str = "", exit_code: int | None = None) -> None:
     """This rank's failure, timestamped, for the launcher's root-cause verdict."""
     if STATE_DIR:
-        record = protocol.ErrorRecord(time.time(), kind, message, trace)
+        record = protocol.ErrorRecord(time.time(), kind, message, trace, exit_code)
         try:
             protocol.write_error(STATE_DIR, RANK, record)
         except OSError:
@@ -285,7 +285,9 @@ def main(argv: list[str]) -> None:
             run_script(target)
     except SystemExit as done:
         if done.code not in (None, 0):
-            write_error("SystemExit", f"sys.exit({done.code!r})")
+            code = done.code if isinstance(done.code, int) else 1
+            write_error("SystemExit", f"sys.exit({done.code!r})", exit_code=code)
+            sys.last_value = done  # ddpkit's close sees a failure: no barrier with the peers
         exit_quickly(done.code)
     except KeyboardInterrupt:
         raise

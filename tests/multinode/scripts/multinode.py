@@ -73,6 +73,8 @@ class Trainer:
             time.sleep(600)  # never reaches the next epoch's all-reduce
 
     def train(self, max_epochs, args):
+        while int(os.environ["WORLD_SIZE"]) < args.wait_for_world:  # elastic: more to come
+            time.sleep(0.2)
         for epoch in range(max_epochs):
             self._run_epoch(epoch, args)
             if args.sleep:
@@ -111,4 +113,5 @@ if __name__ == "__main__":
     parser.add_argument("--compute-rank", type=int, default=-1, help="-2: every rank")
     parser.add_argument("--compute-seconds", type=float, default=0.0)
     parser.add_argument("--stall-rank", type=int, default=-1)
+    parser.add_argument("--wait-for-world", type=int, default=0, help="idle until this many")
     main(parser.parse_args())

@@ -1,0 +1,313 @@
+"""Reliability and safety, as an attacker of the launcher would try it: a table of bad inputs
+(each refused with exit 2, its words and a fix, in about a second, nothing started), exit codes
+through setup(), `ddpkit kill`'s limits, private log folders, full disks, leftovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.helpers import SCRIPTS, gone_within, start
+
+pytestmark = pytest.mark.timeout(120)
+DDPKIT = [sys.executable, "-m", "ddpkit"]
+LONG = "a" * 300
+
+# (arguments of `ddpkit run`, extra environment, the words the error must contain)
+BAD_INPUTS = [
+    (["--init-timeout", "inf", "t.py"], {}, "--init-timeout 'inf' is not a finite number"),
+    (["--init-timeout", "1e300", "t.py"], {}, "--init-timeout '1e300' is more than"),
+    (["--init-timeout", "abc", "t.py"], {}, "--init-timeout 'abc' is not a number"),
+    (["--grace", "nan", "t.py"], {}, "--grace 'nan' is not a finite number"),
+    (["--grace", "inf", "t.py"], {}, "--grace 'inf' is not a finite number"),
+    (["--grace", "-1", "t.py"], {}, "--grace '-1' must be at least 0"),
+    (["--hang-timeout", "nan", "t.py"], {}, "--hang-timeout 'nan' is not a finite number"),
+    (["--node-timeout", "0", "t.py"], {}, "--node-timeout '0' must be at least 1"),
+    (["--max-restarts", "-1", "t.py"], {}, "--max-restarts '-1' must be at least 0"),
+    (["--log-dir", "afile", "t.py"], {}, "exists and is not a folder"),
+    (["--log-dir", "/proc/nope/x", "t.py"], {}, "cannot create the log folder /proc/nope/x"),
+    (["--log-dir", "/sys/nope", "t.py"], {}, "cannot create the log folder /sys/nope"),
+    (["--log-dir", LONG, "t.py"], {}, "File name too long"),
+    (["--run-id", "a/b", "t.py"], {}, "--run-id 'a/b' is not a job id"),
+    (["--run-id", "../x", "t.py"], {}, "--run-id '../x' is not a job id"),
+    (["--run-id", "/abs", "t.py"], {}, "--run-id '/abs' is not a job id"),
+    (["--run-id", "r" * 300, "t.py"], {}, "is not a job id"),
+    (["--ranks", "-1", "t.py"], {}, "--ranks '-1' is not a list of ranks of this job"),
+    (["--ranks", "7", "t.py"], {}, "--ranks '7' is not a list of ranks of this job (0 to 1)"),
+    (["--ranks", ",", "t.py"], {}, "--ranks ',' is not a list of ranks"),
+    (["--ranks", "0,x", "t.py"], {}, "--ranks '0,x' is not a list of ranks"),
+    (["--stdin", "rank0", "t.py"], {}, "--stdin 'rank0' is not a rank, none or auto"),
+    (["-n", "0", "t.py"], {}, "must be at least 1"),
+    (["-n", "99999999999999999999", "t.py"], {}, "CPU processes on"),
+    (["-n", "64", "t.py"], {}, "DDPKIT_NPROC_LIMIT=64"),
+    (["-n", "gpu", "t.py"], {"CUDA_VISIBLE_DEVICES": ""}, "no GPU is visible"),
+    (["--master-port", "99999", "t.py"], {}, "is not a TCP port"),
+    (["--master-port", "x", "t.py"], {}, "--master-port 'x' is not a number"),
+    (["--nnodes", "0", "t.py"], {}, "--nnodes '0' must be at least 1"),
+    (["--nnodes", "3:2", "--rdzv", "h:1", "t.py"], {}, "MIN is larger than MAX"),
+    (["--nnodes", "2", "t.py"], {}, "needs to know how the nodes meet"),
+    (["--nnodes", "2", "--rdzv", "nohost", "t.py"], {}, "is not HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-port", "9", "t.py"], {}, "node ranks run"),
+    (
+        ["--nnodes", "2", "--node-rank", "1", "--master-addr", "nosuchhost.invalid"]
+        + ["--master-port", "29999", "t.py"],
+        {},
+        "--master-addr 'nosuchhost.invalid' does not name a machine",
+    ),
+    (["--no-python", "./notexec.sh"], {}, "is not executable"),
+    (["--no-python", "no-such-program-xyz"], {}, "not found on PATH"),
+    (["-m", "missing_module_xyz"], {}, "no module 'missing_module_xyz'"),
+    (["-m", "bad name"], {}, "is not a module name"),
+    (["missing.py"], {}, "script 'missing.py' not found"),
+    ([], {}, "no script to run"),
+    (["--frobnicate", "t.py"], {}, "ddpkit run does not know --frobnicate"),
+    (["--rdzv-conf", "x=1", "--nnodes", "2", "--rdzv", "h:1", "t.py"], {}, "known key"),
+    (["t.py"], {"SLURM_PROCID": "0", "SLURM_NNODES": "abc"}, "SLURM_NNODES='abc'"),
+    (
+        ["t.py"],
+        {"SLURM_PROCID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "abc"},
+        "SLURM_NTASKS='abc'",
+    ),
+    (
+        ["t.py"],
+        {"SLURM_PROCID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": "abc"},
+        "SLURM_NODEID='abc'",
+    ),
+    (
+        ["t.py"],
+        {"SLURM_PROCID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2"}
+        | {"SLURM_JOB_NODELIST": "n[1-x]"},
+        "SLURM_JOB_NODELIST='n[1-x]' is not a SLURM host list",
+    ),
+    (
+        ["t.py"],
+        {"SLURM_PROCID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "4"},
+        "needs exactly one task per node",
+    ),
+    (["--numa-binding", "node", "t.py"], {}, "has no ddpkit equivalent"),
+    (["--redirects", "9", "t.py"], {}, "is not 0-3"),
+    (["--signals-to-handle", "SIGNOPE", "t.py"], {}, "is not a signal"),
+    (["--monitor-interval", "0", "t.py"], {}, "is not between 0.01 and 60"),
+    (["--use-local-rank-arg=--lr", "t.py"], {}, "the argument is --local-rank or --local_rank"),
+    (["--standalone", "--nnodes", "2", "--rdzv", "h:1", "t.py"], {}, "--standalone is one node"),
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    here = tmp_path_factory.mktemp("bad")
+    (here / "t.py").write_text("print('started')\n")
+    (here / "afile").write_text("")
+    (here / "notexec.sh").write_text("#!/bin/sh\n")
+    return here
+
+
+@pytest.mark.parametrize(("args", "env", "says"), BAD_INPUTS, ids=lambda v: str(v)[:40])
+def test_bad_input_is_refused_at_once_with_its_words_and_a_fix(folder, args, env, says):
+    began = time.monotonic()
+    out = subprocess.run(
+        [*DDPKIT, "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=folder,
+        env={**os.environ, **env},
+    )
+    took = time.monotonic() - began
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert says in out.stderr
+    assert "fix:" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert "started" not in out.stdout, "nothing may start"
+    assert took < 8, f"took {took:.1f} s"
+
+
+@pytest.mark.parametrize("style", ["with", "plain"])
+def test_a_ranks_exit_code_through_setup_is_the_jobs(tmp_path, style):
+    job = start(["-n", "2", "--grace", "2", str(SCRIPTS / "exits.py"), "3", style], tmp_path)
+    assert job.finish(60) == 3, job.stderr
+    assert "root cause: rank 1 exited with code 3 (SystemExit: sys.exit(3))" in job.stderr
+    assert not job.survivors()
+
+
+def test_a_rank_that_never_calls_setup_is_named_within_the_init_timeout(tmp_path):
+    began = time.monotonic()
+    job = start(["-n", "2", "--init-timeout", "5", str(SCRIPTS / "late_rank.py")], tmp_path)
+    assert job.finish(60) == 1
+    assert time.monotonic() - began < 20
+    assert "rank 1 never reached init_process_group; rank 0 waited" in job.stderr
+    assert not job.survivors()
+
+
+def test_save_on_a_full_disk_fails_on_every_rank_and_leaves_no_temporary_file(tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        job = start(["-n", "2", str(SCRIPTS / "saves_to.py"), str(disk / "ckpt.pt"), "4"],
+                    tmp_path)  # fmt: skip
+        assert job.finish(60) == 1
+        assert "rank 0 could not write the checkpoint" in job.stderr
+        assert "No space left on device" in job.stderr
+        assert "saved" not in job.stdout
+        assert list(disk.iterdir()) == [], "no temporary file is left behind"
+        assert not job.survivors()
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
+    import ddpkit.checkpoint as checkpoint
+
+    stale = tmp_path / ".ckpt.pt.abc123.tmp"
+    stale.write_bytes(b"x" * 1000)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    checkpoint.write_atomic({"a": 1}, tmp_path / "ckpt.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+def test_a_daemon_that_drops_its_environment_does_not_outlive_the_job(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    job = start(["-n", "1", str(SCRIPTS / "daemon.py"), str(pid_file)], tmp_path)
+    assert job.finish(60) == 0
+    pid = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_logs_and_run_folders_are_private(tmp_path):
+    job = start(["-n", "1", str(SCRIPTS / "world.py")], tmp_path)
+    assert job.finish(60) == 0
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run_dir / "rank0.log").stat().st_mode) == 0o600
+
+
+def _default_base() -> Path:
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"ddpkit-{os.getuid()}"
+
+
+@pytest.mark.parametrize("problem", ["world-writable", "symlink", "file", "other-owner"])
+def test_a_log_base_someone_else_can_touch_is_refused(tmp_path, problem):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    base = tmp_path / f"ddpkit-{os.getuid()}"
+    if problem == "world-writable":
+        base.mkdir(mode=0o777)
+        base.chmod(0o777)
+    elif problem == "symlink":
+        (tmp_path / "theirs").mkdir()
+        base.symlink_to(tmp_path / "theirs")
+    elif problem == "file":
+        base.write_text("")
+    else:
+        base.mkdir(mode=0o700)
+        os.chown(base, 12345, 12345)
+    out = subprocess.run(
+        [*DDPKIT, "run", "-n", "1", str(SCRIPTS / "world.py")],
+        capture_output=True, text=True, timeout=30, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert f"the log folder {base}" in out.stderr
+    assert "fix:" in out.stderr
+    assert "rank 0 of 1" not in out.stdout
+
+
+def test_two_jobs_with_one_run_id_get_folders_of_their_own(tmp_path):
+    jobs = [start(["-n", "1", str(SCRIPTS / "world.py")], tmp_path, run_id="same") for _ in "ab"]
+    assert [j.finish(60) for j in jobs] == [0, 0]
+    assert len(list((tmp_path / "logs").iterdir())) == 2
+
+
+def test_old_run_folders_beyond_the_newest_50_are_removed(tmp_path):
+    from ddpkit.launch import rundir
+
+    old = time.time() - 30 * 86400
+    for i in range(60):
+        run = tmp_path / f"run{i:02d}"
+        run.mkdir()
+        (run / "rank0.log").write_text("x")
+        os.utime(run, (old + i, old + i))
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "rank0.log").write_text("x")
+    removed = rundir.prune(tmp_path)
+    assert len(removed) == 11
+    assert fresh.exists()
+    assert not (tmp_path / "run00").exists()
+    assert (tmp_path / "run59").exists()
+
+
+def ddpkit(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*DDPKIT, *args], capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_kill_refuses_a_process_that_is_not_a_training_job():
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        out = ddpkit("kill", str(bystander.pid), "--grace", "1")
+        assert out.returncode == 2
+        assert "is not a training job ddpkit can identify" in out.stderr
+        assert f"ddpkit kill --force {bystander.pid}" in out.stderr
+        assert bystander.poll() is None
+        out = ddpkit("kill", "--force", str(bystander.pid), "--grace", "1")
+        assert out.returncode == 0
+        assert bystander.wait(10) is not None
+    finally:
+        if bystander.poll() is None:
+            bystander.kill()
+            bystander.wait()
+
+
+@pytest.mark.parametrize("pid", ["1", "self"])
+def test_kill_never_targets_init_or_its_own_ancestors(pid):
+    target = str(os.getpid()) if pid == "self" else pid
+    out = ddpkit("kill", "--force", target)
+    assert out.returncode == 2
+    assert "ending it would end this session" in out.stderr
+
+
+def test_kill_as_another_user_says_what_it_could_not_end_and_fails():
+    if os.geteuid() != 0 or subprocess.run(["id", "nobody"], capture_output=True).returncode:
+        pytest.skip("needs root and the user nobody")
+    probe = ["su", "-s", "/bin/sh", "nobody", "-c", f"{sys.executable} -c 'import ddpkit'"]
+    if subprocess.run(probe, capture_output=True).returncode:
+        pytest.skip("the user nobody cannot run this venv's python and ddpkit (folder modes)")
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        out = subprocess.run(
+            ["su", "-s", "/bin/sh", "nobody", "-c",
+             f"{sys.executable} -m ddpkit kill --force --grace 1 {victim.pid}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"could not end 1 process(es): {victim.pid} (owned by root, not nobody)" in (
+            out.stdout
+        )
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_sigterm_while_workers_start_stops_at_once(tmp_path):
+    job = start(
+        ["-n", "16", "--grace", "1", str(SCRIPTS / "phases.py"), "before-init"],
+        tmp_path,
+        env={"DDPKIT_NPROC_LIMIT": "16"},
+    )
+    job.wait_for("ddpkit: run")
+    job.proc.send_signal(signal.SIGTERM)
+    assert gone_within(job, 30) < 20
