@@ -18,11 +18,12 @@ from ddpkit.errors import DdpkitError
 if TYPE_CHECKING:  # noqa: SIM108 - for type checkers and IDEs only
     from ddpkit.env import DistEnv, read_env  # noqa: F401
     from ddpkit.seeding import seed_everything  # noqa: F401
-    from ddpkit.session import Session, Step, setup, unwrap  # noqa: F401
+    from ddpkit.session import Session, Step, setup  # noqa: F401
+    from ddpkit.wrapping import unwrap  # noqa: F401
 
 _LAZY = {
     "setup": "ddpkit.session",
-    "unwrap": "ddpkit.session",
+    "unwrap": "ddpkit.wrapping",
     "Session": "ddpkit.session",
     "Step": "ddpkit.session",
     "DistEnv": "ddpkit.env",

@@ -1,19 +1,31 @@
-"""Data loading that shards across ranks without the usual traps.
+"""Data loading that shards across ranks, resumes exactly, and reproduces itself.
 
-`make_loader` gives each rank its share (DistributedSampler for training), calls `set_epoch`
-on every new pass so each epoch is shuffled differently, seeds workers differently on every
-rank, and for evaluation (`eval=True`) shards without padding so every sample is counted
+`make_loader` gives each rank its share (a DistributedSampler for training, at world size 1
+too, so every epoch's order comes from (seed, epoch) alone), calls `set_epoch` on every new
+pass, and for evaluation (`eval=True`) shards without padding so every sample is counted
 exactly once across ranks, uneven sizes included.
+
+Resume: the loader knows its epoch and how many batches of it were taken
+(`resume_state()`); after `restore(...)` the next pass starts at the next batch of that epoch by
+skipping sample *indices*, so no skipped sample is ever read.
+
+Reproducible samples: randomness inside `Dataset.__getitem__` (augmentation with torch, numpy
+or `random`) is seeded from (seed, epoch, sample index), so sample i of epoch e is the same
+whichever worker reads it, whatever `num_workers` is, resumed or not. The sampler hands each
+index to the dataset as (epoch, index), so persistent workers see the epoch too; the random
+states around the call are saved and put back, so the training loop's own randomness is not
+disturbed. Cost: benchmarks/results/cpu-seeded_dataset.txt.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from itertools import islice
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 
 class EvalSampler(Sampler[int]):
@@ -29,26 +41,111 @@ class EvalSampler(Sampler[int]):
         return len(self.indices)
 
 
-class EpochLoader(DataLoader):
-    """A DataLoader that tells its sampler which epoch each new pass is."""
+class EpochSampler(Sampler[Any]):
+    """Wraps the rank's sampler: yields (epoch, index), starting `skip` indices in."""
 
-    epoch = 0
+    def __init__(self, inner: Sampler[int], seeded: bool) -> None:
+        self.inner = inner
+        self.seeded = seeded
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        set_epoch = getattr(self.inner, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = islice(iter(self.inner), self.skip, None)  # indices only: nothing is read
+        if not self.seeded:
+            return indices
+        return ((self.epoch, i) for i in indices)
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)  # type: ignore[arg-type]
+
+
+class SeededDataset(Dataset):
+    """dataset[(epoch, i)] = the user's dataset[i] with every random generator seeded from
+    (seed, epoch, i) for the call, and put back after it."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Any) -> Any:
+        epoch, index = key
+        sample_seed = _mix(self.seed, epoch, index)
+        py_state = random.getstate()
+        np_state = _numpy_state()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed)
+            random.seed(sample_seed)
+            _numpy_seed(sample_seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py_state)
+                _numpy_restore(np_state)
+
+    def __getattr__(self, name: str) -> Any:  # the user's dataset's own attributes
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class EpochLoader(DataLoader):
+    """A DataLoader that tells its sampler which epoch each new pass is, counts the batches
+    it hands out, can resume mid-epoch, and moves batches to a device when asked."""
+
+    epoch = 0  # the epoch the next pass is
+    to_device: torch.device | None = None
+    _taken = 0  # batches taken of the current pass
+    _current = -1  # the epoch of the current pass
 
     def __iter__(self) -> Any:
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(self.epoch)
-        self.epoch += 1
-        return _beating(super().__iter__())
+        # lazy: an iterator made and dropped (tqdm's asyncio flavour makes one) starts nothing
+        return self._pass()
 
+    def _pass(self) -> Iterator[Any]:
+        """One pass: the next epoch (or the rest of a restored one). Each batch tells the
+        launcher's hang doctor that this rank is making progress."""
+        from ddpkit.rank.progress import beat
 
-def _beating(batches: Iterator[Any]) -> Iterator[Any]:
-    """Each batch tells the launcher's hang doctor that this rank is making progress."""
-    from ddpkit.rank.progress import beat
+        skip, self._taken = self._taken if self._current == self.epoch else 0, 0
+        sampler = self.sampler if isinstance(self.sampler, EpochSampler) else None
+        if sampler is not None:
+            sampler.set_epoch(self.epoch)
+            sampler.skip = skip * (self.batch_size or 1)
+        self._current, self.epoch = self.epoch, self.epoch + 1
+        self._taken = skip
+        for batch in super().__iter__():
+            beat()
+            self._taken += 1
+            yield batch if self.to_device is None else _to(batch, self.to_device)
+        if isinstance(self.sampler, EpochSampler):
+            self.sampler.skip = 0
 
-    for batch in batches:
-        beat()
-        yield batch
+    def resume_state(self) -> dict[str, int]:
+        """Where this loader is: the next pass to start, and batches taken of the current."""
+        if self._current >= 0 and self._taken < len(self):
+            return {"epoch": self._current, "batches": self._taken}
+        return {"epoch": self.epoch, "batches": 0}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch = self._current = int(state["epoch"])
+        self._taken = int(state["batches"])
+
+    def __len__(self) -> int:
+        if isinstance(self.sampler, EpochSampler):
+            whole = self.sampler.inner
+            n = len(whole)  # type: ignore[arg-type]
+            return n // self.batch_size if self.drop_last else -(-n // self.batch_size)  # type: ignore[operator]
+        return super().__len__()
 
 
 def make_loader(
@@ -59,34 +156,78 @@ def make_loader(
     seed: int,
     shuffle: bool = True,
     eval: bool = False,  # noqa: A002 - the public API's word
+    to_device: torch.device | None = None,
+    seeded: bool = True,
     **kwargs: Any,
-) -> DataLoader:
+) -> EpochLoader:
     """A DataLoader for this rank's share of `dataset`; kwargs go to DataLoader."""
     shuffle = shuffle and not eval
     drop_last = bool(kwargs.pop("drop_last", False))
     sampler = kwargs.pop("sampler", None)
-    if sampler is None and eval and world_size > 1:
-        sampler = EvalSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
-    elif sampler is None and world_size > 1:
-        sampler = DistributedSampler(
-            dataset,
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+    iterable = isinstance(dataset, IterableDataset)
+    if sampler is None and not iterable:
+        if eval:
+            sampler = EvalSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
+        else:
+            sampler = DistributedSampler(
+                dataset,
+                num_replicas=world_size,
+                rank=rank,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+            )
+    seeded = seeded and not iterable
     if sampler is not None:
-        kwargs["sampler"] = sampler
-    else:
-        kwargs["shuffle"] = shuffle
+        kwargs["sampler"] = EpochSampler(sampler, seeded)
+    if seeded:
+        dataset = SeededDataset(dataset, seed)
     kwargs.setdefault("generator", torch.Generator().manual_seed(_mix(seed, rank)))
     kwargs["worker_init_fn"] = _seed_worker(kwargs.get("worker_init_fn"))
-    return EpochLoader(dataset, batch_size=batch_size, drop_last=drop_last, **kwargs)
+    loader = EpochLoader(dataset, batch_size=batch_size, drop_last=drop_last, **kwargs)
+    loader.to_device = to_device
+    return loader
 
 
-def _mix(seed: int, rank: int) -> int:
-    return (seed * 1_000_003 + rank * 7919 + 17) % (2**63)
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        moved = [_to(v, device) for v in batch]
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+    return batch
+
+
+def _mix(*parts: int) -> int:
+    value = 17
+    for part in parts:
+        value = (value * 1_000_003 + int(part) * 7919 + 1) % (2**63)
+    return value
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np.random.get_state()
+
+
+def _numpy_seed(seed: int) -> None:
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
+def _numpy_restore(state: Any) -> None:
+    if state is not None:
+        import numpy as np
+
+        np.random.set_state(state)
 
 
 def _seed_worker(user_fn: Callable[[int], None] | None) -> Callable[[int], None]:
@@ -95,12 +236,7 @@ def _seed_worker(user_fn: Callable[[int], None] | None) -> Callable[[int], None]
         # from the rank-mixed generator; carry it to random and numpy, which torch leaves alone.
         worker_seed = torch.initial_seed() % 2**32
         random.seed(worker_seed)
-        try:
-            import numpy as np
-
-            np.random.seed(worker_seed)
-        except ImportError:
-            pass
+        _numpy_seed(worker_seed)
         if user_fn is not None:
             user_fn(worker_id)
 

@@ -51,6 +51,7 @@ FLIGHT_DUMP = "fr"  # the rank's answer (pickled dump)
 FLIGHT_READY = "fr-ready"  # exists once the rank answers dump requests
 FLIGHT_STATUS = "status"  # a request's content asking for process-group status only
 TORCH_ERROR = "torch-error.json"  # TORCHELASTIC_ERROR_FILE: what torch's @record writes
+GRACEFUL = "graceful"  # exists once the rank reads s.stop_requested: it saves before it stops
 
 # The launcher asks a rank for its stacks with this signal (faulthandler answers it even while
 # the rank is blocked in C code). A real-time signal: SIGUSR1/SIGUSR2 belong to the user's

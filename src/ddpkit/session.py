@@ -13,10 +13,8 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
-import math
 import os
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,22 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import checkpoint, comm, loaders, protocol
-from ddpkit.env import DistEnv, check_gpu_fit, read_env
-from ddpkit.errors import ConfigError, EnvError, InitTimeoutError, install_excepthook
-from ddpkit.ranges import ranks_text
+from ddpkit import checkpoint, comm, joining, loaders, protocol, state
+from ddpkit.env import DistEnv, read_env
+from ddpkit.errors import ConfigError, install_excepthook
 from ddpkit.seeding import seed_everything
-
-DEFAULT_INIT_TIMEOUT = 300.0
-# DDP options s.wrap sets unless given, each from benchmarks/RESULTS.md (2 H200s, GPT-2-small
-# shape, bf16): bigger buckets cut step time 6.9% (fewer, fuller NCCL calls); gradients as
-# views of the buckets save a copy and a gradient's worth of memory (1.1%); 50-400 MB buckets
-# tie, 25 MB (torch's) is 3-6% slower. static_graph gained nothing and is unsafe for models
-# whose graph changes, so it stays off. broadcast_buffers=False is added only for models whose
-# buffers are all BatchNorm statistics (-9.5% on a ResNet-50 shape; docs/bench-ddp.md).
-WRAP_DEFAULTS = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
-BACKENDS = ("auto", "nccl", "gloo")
-MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: longer is a typo, and torch's timers overflow on inf
+from ddpkit.stopping import StopFlag
+from ddpkit.training import Precision
+from ddpkit.wrapping import WRAP_DEFAULTS, buffers_are_batchnorm_statistics
 
 
 @dataclass
@@ -53,26 +42,17 @@ class Step:
     sync: bool
 
 
-def _buffers_are_batchnorm_statistics(model: nn.Module) -> bool:
-    """True when the model has buffers and every one is a BatchNorm running statistic. Then
-    DDP's per-forward broadcast of them from rank 0 can go: training uses batch statistics,
-    and rank 0 (the broadcast's source, whose state is saved) holds the same values either
-    way; only the other ranks keep their own running averages instead of rank 0's."""
-    norm_buffers = {
-        id(b)
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        for b in m.buffers(recurse=False)
-    }
-    buffers = list(model.buffers())
-    return bool(buffers) and all(id(b) in norm_buffers for b in buffers)
-
-
 class Session:
     """This process's place in the job and the helpers that depend on it."""
 
     def __init__(
-        self, env: DistEnv, backend: str, device: torch.device, seed: int, owns_group: bool
+        self,
+        env: DistEnv,
+        backend: str,
+        device: torch.device,
+        seed: int,
+        owns_group: bool,
+        precision: Precision | None = None,
     ) -> None:
         self.env = env
         self.backend = backend
@@ -80,6 +60,8 @@ class Session:
         self.seed = seed
         self._owns_group = owns_group
         self._micro_steps: dict[int, int] = {}
+        self._stop = StopFlag()
+        self._precision = precision or Precision(device)
         atexit.register(self.close)
 
     @property
@@ -134,7 +116,7 @@ class Session:
 
             for option, value in WRAP_DEFAULTS.items():
                 ddp_kwargs.setdefault(option, value)
-            if _buffers_are_batchnorm_statistics(model):
+            if buffers_are_batchnorm_statistics(model):
                 ddp_kwargs.setdefault("broadcast_buffers", False)
             if self.device.type == "cuda":
                 ddp_kwargs.setdefault("device_ids", [self.device.index])
@@ -173,10 +155,14 @@ class Session:
         dataset: Any,
         batch_size: int,
         shuffle: bool = True,
-        eval: bool = False,
+        eval: bool = False,  # noqa: A002
+        to_device: bool = False,
+        seeded: bool = True,
         **dataloader_kwargs: Any,
-    ) -> torch.utils.data.DataLoader:  # noqa: A002
-        """This rank's share of `dataset` (see ddpkit.loaders.make_loader)."""
+    ) -> loaders.EpochLoader:
+        """This rank's share of `dataset` (see ddpkit.loaders.make_loader): resumable with
+        save_state/load_state; to_device=True moves each batch to s.device; seeded=False leaves
+        the randomness of Dataset.__getitem__ alone."""
         return loaders.make_loader(
             dataset,
             batch_size,
@@ -185,8 +171,45 @@ class Session:
             self.seed,
             shuffle=shuffle,
             eval=eval,
+            to_device=self.device if to_device else None,
+            seeded=seeded,
             **dataloader_kwargs,
         )
+
+    # -- stop and resume -----------------------------------------------------------------
+
+    def save_state(self, path: str | os.PathLike[str], keep: int = 2, **objects: Any) -> None:
+        """Collective: every object's state (modules, optimizers, schedulers, scalers,
+        s.loader positions, dicts) and every rank's RNG, atomically (ddpkit.state)."""
+        state.save_state(path, objects, self.rank, self.world_size, keep=keep)
+
+    def load_state(self, path: str | os.PathLike[str], rng: bool = True, **objects: Any) -> bool:
+        """Collective: restore the newest complete state into `objects`, in place; False when
+        `path` holds none (a first run)."""
+        return state.load_state(path, objects, self.rank, self.world_size, self.device, rng=rng)
+
+    @property
+    def stop_requested(self) -> bool:
+        """True on every rank once any rank got SIGTERM, SIGINT or SIGUSR1 (reading it the
+        first time makes those signals set it instead of ending the script)."""
+        return self._stop.agreed(self.world_size, self._comm_device)
+
+    # -- precision -----------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Mixed precision for the forward pass: bf16 on GPUs, off on CPU (setup(precision=))."""
+        return self._precision.autocast()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._precision.backward(loss, **kwargs)
+
+    def step(self, optimizer: Any) -> None:
+        """optimizer.step(), through the GradScaler with fp16."""
+        self._precision.step(optimizer)
+
+    def clip(self, model: nn.Module, max_norm: float, optimizer: Any = None) -> torch.Tensor:
+        """Clip gradients to a global norm (unscaled first with fp16: pass the optimizer)."""
+        return self._precision.clip(model, max_norm, optimizer)
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -228,7 +251,7 @@ class Session:
         """A tqdm progress bar on global rank 0; the bare iterable elsewhere."""
         if not self.is_main:
             return iterable
-        from tqdm.auto import tqdm
+        from tqdm import tqdm  # not tqdm.auto: its asyncio flavour iterates once more
 
         return tqdm(iterable, **tqdm_kwargs)
 
@@ -267,7 +290,7 @@ class Session:
         failed = failed or getattr(sys, "last_value", None) is not None  # uncaught error
         if self._owns_group and dist.is_initialized():
             if self.backend == "gloo" and self.world_size > 1 and not failed:
-                _drain_gloo()
+                joining.drain_gloo()
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if failed and self.backend == "nccl" and self.world_size > 1 and abort is not None:
                 # destroy waits for NCCL work that peers will never finish; abort does not
@@ -287,29 +310,35 @@ class Session:
 
 
 def setup(
-    backend: str = "auto", timeout: float | timedelta | None = None, seed: int | None = None
+    backend: str = "auto",
+    timeout: float | timedelta | None = None,
+    seed: int | None = None,
+    precision: str = "auto",
 ) -> Session:
     """Join the job started by a launcher (ddpkit run, torchrun, srun, mpirun), or run as a
     single process when there is none. `timeout` bounds init (peers must arrive within it) and
     is the process group's collective timeout; default: 300 s for init
     (DDPKIT_INIT_TIMEOUT), torch's default for collectives."""
     install_excepthook()
-    backend = _requested_backend(backend)
-    group_timeout = _group_timeout(timeout)
+    backend = joining.requested_backend(backend)
+    group_timeout = joining.group_timeout(timeout)
     init_timeout = (
         group_timeout.total_seconds()
         if group_timeout is not None
-        else _seconds_from_env((protocol.INIT_TIMEOUT, "DDPKIT_INIT_TIMEOUT"), DEFAULT_INIT_TIMEOUT)
+        else joining.seconds_from_env(
+            (protocol.INIT_TIMEOUT, "DDPKIT_INIT_TIMEOUT"), joining.DEFAULT_INIT_TIMEOUT
+        )
     )
     env = read_env()
     seed_value = 0 if seed is None else seed
     if seed is not None:
         seed_everything(seed)
-    backend, device = _choose(env, backend)
+    backend, device = joining.choose(env, backend)
+    amp = Precision(device, precision)  # a bad precision is an error before anyone waits
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init: NCCL binds to the current device
     if dist.is_initialized():  # the script (or a framework) already joined: adopt it
-        return Session(env, dist.get_backend(), device, seed_value, owns_group=False)
+        return Session(env, dist.get_backend(), device, seed_value, False, amp)
     if env.launcher == "none":
         print(
             "ddpkit: no launcher variables found; running as a single process "
@@ -317,7 +346,7 @@ def setup(
             file=sys.stderr,
             flush=True,
         )
-    store = _rendezvous(env, init_timeout)
+    store = joining.rendezvous(env, init_timeout)
     kwargs: dict[str, Any] = {}
     if group_timeout is not None:
         kwargs["timeout"] = group_timeout
@@ -326,173 +355,4 @@ def setup(
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, **kwargs
     )
-    return Session(env, backend, device, seed_value, owns_group=True)
-
-
-def _requested_backend(backend: object) -> str:
-    """The backend asked for: the script's argument, or with "auto" what `ddpkit run` decided
-    (CPU processes: gloo) or DDPKIT_BACKEND says; "auto" when nobody said."""
-    sources = [("setup(backend=...)", backend)]
-    if backend == "auto":
-        sources += [(var, os.environ.get(var, "")) for var in (protocol.BACKEND, "DDPKIT_BACKEND")]
-    for name, value in sources:
-        if not isinstance(value, str):
-            raise ConfigError(
-                f"{name} is {value!r}, not one of {BACKENDS}",
-                fix="use 'auto' (nccl with one GPU per rank, else gloo)",
-            )
-        word = value.strip().lower()
-        if word and word not in BACKENDS:
-            where = name if name.startswith("setup") else f"{name}={value!r}"
-            raise ConfigError(
-                f"{where} is not one of {', '.join(BACKENDS)}",
-                fix="use auto (nccl with one GPU per rank, else gloo), nccl or gloo",
-            )
-        if word and word != "auto":
-            return word
-    return "auto"
-
-
-def _group_timeout(timeout: object) -> timedelta | None:
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise ConfigError(
-            f"setup(timeout={timeout!r}) is not a number of seconds",
-            fix="pass seconds as a number, e.g. setup(timeout=600), or a timedelta",
-        )
-    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT:
-        raise ConfigError(
-            f"setup(timeout={timeout!r}) must be more than 0 and at most {MAX_TIMEOUT:.0f} s",
-            fix="pass the seconds init and collectives may wait, e.g. setup(timeout=600)",
-        )
-    return timedelta(seconds=seconds)
-
-
-def _seconds_from_env(names: tuple[str, ...], default: float) -> float:
-    for name in names:
-        raw = os.environ.get(name, "").strip()
-        if not raw:
-            continue
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = math.nan
-        if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT:
-            raise ConfigError(
-                f"{name}={raw!r} is not a number of seconds between 0 and {MAX_TIMEOUT:.0f}",
-                fix=f"set {name} to the seconds init may wait (e.g. 300), or unset it",
-            )
-        return seconds
-    return default
-
-
-def _drain_gloo(timeout: float = 10.0) -> None:
-    """Let gloo's worker threads finish with their last collectives before the group goes.
-
-    A finished gloo work is freed on gloo's own thread, which must take the GIL to release a
-    Python object it captured. If the main thread destroys the group (or the interpreter shuts
-    down) first, that thread deadlocks or aborts the process ("terminate called without an
-    active exception"; seen in 2 of 16 two-rank DDP runs under torchrun and ddpkit alike, torch
-    2.13). A bounded barrier waits with the GIL released, so they finish; a peer that is gone
-    costs at most `timeout` seconds, never a hang.
-    """
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
-    except RuntimeError:
-        pass
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The nn.Module inside DistributedDataParallel and torch.compile wrappers."""
-    while True:
-        inner = getattr(model, "module", None) if _is_ddp(model) else None
-        inner = inner if inner is not None else getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
-def _is_ddp(model: nn.Module) -> bool:
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    return isinstance(model, DistributedDataParallel | DataParallel)
-
-
-def _choose(env: DistEnv, backend: str) -> tuple[str, torch.device]:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        own_gpu = gpus >= env.local_world_size and dist.is_nccl_available()
-        if gpus and not own_gpu:
-            print(
-                f"ddpkit: {env.local_world_size} processes on this node but {gpus} GPU(s): "
-                "using gloo on the CPU",
-                file=sys.stderr,
-                flush=True,
-            )
-        backend = "nccl" if own_gpu and gpus else "gloo"
-    if backend == "nccl":
-        if not gpus:
-            raise EnvError(
-                "backend='nccl' needs a CUDA GPU, and none is visible",
-                fix="use backend='auto' or 'gloo' on CPU-only machines",
-            )
-        check_gpu_fit(env, gpus)
-        return "nccl", torch.device("cuda", env.local_rank)
-    return "gloo", torch.device("cpu")
-
-
-def _rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
-    """A store every rank shares, after every rank has arrived (or an error naming who did
-    not, within init_timeout)."""
-    if env.world_size == 1 and env.launcher == "none":
-        return dist.HashStore()
-    state_dir = os.environ.get(protocol.STATE_DIR)
-    if state_dir:  # the launcher's init watch starts now: it names who never arrives
-        with contextlib.suppress(OSError):
-            protocol.write_phase(state_dir, env.rank, "init")
-    # Under ddpkit run / torchrun the launcher holds the store; otherwise rank 0 does.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    is_server = env.rank == 0 and not agent_store
-    started = time.monotonic()
-    try:
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_server,
-            timeout=timedelta(seconds=init_timeout),
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-    except (RuntimeError, dist.DistNetworkError) as err:
-        where = f"{env.master_addr}:{env.master_port}"
-        if is_server:
-            raise InitTimeoutError(
-                f"rank 0 could not listen on {where}: {err}",
-                fix="MASTER_PORT is probably in use: pick another, or let `ddpkit run` "
-                "choose a free one",
-            ) from err
-        raise InitTimeoutError(
-            f"rank {env.rank} could not reach rank 0 at {where} within {init_timeout:.0f} s",
-            fix="start every rank (ddpkit run does), and check MASTER_ADDR/MASTER_PORT",
-        ) from err
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"ddpkit/arrive/{attempt}/"
-    store.set(f"{prefix}{env.rank}", "1")
-    if store.add(f"{prefix}count", 1) == env.world_size:
-        store.set(f"{prefix}all", "1")  # the last to arrive tells the others: no polling
-    left = max(0.0, started + init_timeout - time.monotonic())
-    try:
-        store.wait([f"{prefix}all"], timedelta(seconds=left))
-    except (RuntimeError, dist.DistError):
-        missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
-        arrived = env.world_size - len(missing)
-        raise InitTimeoutError(
-            f"{arrived} of {env.world_size} ranks arrived at init within "
-            f"{init_timeout:.0f} s; missing: rank {ranks_text(missing)}",
-            fix="start every rank with the same WORLD_SIZE (ddpkit run does), or look at "
-            "why the missing ranks stopped before setup()",
-        ) from None
-    return dist.PrefixStore(f"ddpkit/pg/{attempt}", store)
+    return Session(env, backend, device, seed_value, True, amp)

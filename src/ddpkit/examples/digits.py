@@ -2,8 +2,9 @@
 
 Real data, no download: the UCI digits set (1,797 8x8 images) ships inside ddpkit. Runs the same
 on a laptop CPU (`python -m ddpkit.examples.digits`), one GPU, or many
-(`ddpkit run -n gpu -m ddpkit.examples.digits`). With --checkpoint it saves every epoch and
-resumes from the file when it exists, which is what `ddpkit run --max-restarts` relies on.
+(`ddpkit run -n gpu -m ddpkit.examples.digits`). With --checkpoint it saves its whole state every
+epoch (s.save_state) and resumes where it was (s.load_state), after a crash with `ddpkit run
+--max-restarts`, or after Ctrl+C/SIGTERM, on which it saves and stops.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--checkpoint", default=None, help="save/resume here")
+    parser.add_argument("--checkpoint", default=None, help="save and resume the state here")
     parser.add_argument(
         "--fail-at-epoch",
         type=int,
@@ -62,22 +63,20 @@ def main() -> None:
         train_set, test_set = split(*load_digits())
         model = s.wrap(build_model())
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        start_epoch = 0
-        if args.checkpoint and os.path.exists(args.checkpoint):
-            state = s.load(args.checkpoint)
-            ddpkit.unwrap(model).load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-            start_epoch = state["epoch"] + 1
-            s.print(f"resumed from {args.checkpoint} at epoch {start_epoch}")
-        train = s.loader(train_set, args.batch_size, shuffle=True)
+        train = s.loader(train_set, args.batch_size, shuffle=True, to_device=True)
         test = s.loader(test_set, 256, eval=True)
         s.print(
             f"digits: {len(train_set)} train / {len(test_set)} held-out images, "
             f"{s.world_size} rank(s), backend {s.backend}, device {s.device}"
         )
-        train.epoch = start_epoch
+        # a first run starts fresh; a restarted one (--max-restarts) continues where it was
+        if args.checkpoint and s.load_state(
+            args.checkpoint, model=model, optimizer=opt, loader=train
+        ):
+            s.print(f"resumed from {args.checkpoint} at epoch {train.epoch}")
         seen, started = 0, time.perf_counter()
-        for epoch in range(start_epoch, args.epochs):
+        while train.epoch < args.epochs:
+            epoch = train.epoch
             if (
                 epoch == args.fail_at_epoch
                 and s.rank == min(1, s.world_size - 1)
@@ -87,7 +86,6 @@ def main() -> None:
             model.train()
             total, batches = 0.0, 0
             for x, y in s.progress(train, desc=f"epoch {epoch}", leave=False):
-                x, y = x.to(s.device), y.to(s.device)
                 loss = nn.functional.cross_entropy(model(x), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -96,14 +94,10 @@ def main() -> None:
             mean_loss = s.reduce(total / max(batches, 1))
             s.print(f"epoch {epoch}: train loss {mean_loss:.4f}")
             if args.checkpoint:
-                s.save(
-                    {
-                        "model": ddpkit.unwrap(model).state_dict(),
-                        "opt": opt.state_dict(),
-                        "epoch": epoch,
-                    },
-                    args.checkpoint,
-                )
+                s.save_state(args.checkpoint, model=model, optimizer=opt, loader=train)
+            if s.stop_requested:  # Ctrl+C, SIGTERM or a scheduler's SIGUSR1: saved, leave
+                s.print("stopping: the state is saved; run again to continue")
+                return
         wall = time.perf_counter() - started
         correct, count = evaluate(s, model, test)
         samples_per_s = s.reduce(seen / max(wall, 1e-9), op="sum")

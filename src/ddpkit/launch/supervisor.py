@@ -37,6 +37,7 @@ from ddpkit.ranges import ranks_text
 PR_SET_CHILD_SUBREAPER = 36
 QUIETED = "_DDPKIT_QUIETED_TORCH"  # the launcher set TORCH_CPP_LOG_LEVEL for itself only
 POLL = 0.05
+GRACEFUL_WAIT = 120.0  # seconds ranks that read s.stop_requested get to save after a signal
 
 
 @dataclass
@@ -185,7 +186,7 @@ def _run_attempt(
             limit = 0.5 if signals.count else CALL_LIMIT
             crossnode.publish_abort(node, Abort(node.group_rank, why, others, restart), limit)
     finally:
-        _stop_workers(workers, cfg.grace, signals, node.run_id)
+        _stop_workers(workers, cfg.grace, signals, node.run_id, state_dir)
         for w in workers:
             w.output.close()
         _end_orphans({w.proc.pid for w in workers}, watchdog.pid)
@@ -433,20 +434,37 @@ def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> 
     )
 
 
-def _stop_workers(workers: list[Worker], grace: float, signals: Signals, run_id: str) -> None:
+def _stop_workers(
+    workers: list[Worker], grace: float, signals: Signals, run_id: str, state_dir: Path
+) -> None:
     """Every worker's group and every process of the run: the signal the launcher got (a
     forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
     `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected."""
     count_before = signals.count
-    first = signals.last if signals.count and signals.last in FORWARDED else signal.SIGTERM
+    first = signals.last if signals.count else signal.SIGTERM
+    alive = [w for w in workers if w.proc.poll() is None]
+    if (
+        signals.count
+        and alive
+        and all(protocol.state_path(state_dir, w.rank, protocol.GRACEFUL).exists() for w in alive)
+    ):
+        # every rank reads s.stop_requested: it saves its state before it leaves
+        grace = max(grace, GRACEFUL_WAIT)
 
     def impatient() -> bool:  # a second Ctrl+C, or any during a teardown for another reason
         return signals.count >= 2 or signals.count > count_before
 
+    groups = [w.pgid for w in alive]
+    if signals.count:
+        # a forwarded signal goes to each rank itself, as torchrun sends it: the rank decides
+        # (its DataLoader workers and children are its business until the grace is over)
+        leaders = [psutil.Process(w.proc.pid) for w in alive if _exists(w.proc.pid)]
+        procs.terminate(leaders, grace, first=first, impatient=impatient)
+        grace, first = 0.0, signal.SIGKILL
     procs.terminate(
         procs.processes_of_job(run_id, os.getpid()),
         grace,
-        groups=[w.pgid for w in workers if w.proc.poll() is None],
+        groups=groups,
         first=first,
         impatient=impatient,
         again=lambda: procs.processes_of_job(run_id, os.getpid()),
@@ -456,6 +474,13 @@ def _stop_workers(workers: list[Worker], grace: float, signals: Signals, run_id:
             w.proc.wait(timeout=5)
         if w.exit_code is None:
             w.exit_code, w.ended_wall, w.stopped = w.proc.returncode, time.time(), True
+
+
+def _exists(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _become_subreaper() -> None:

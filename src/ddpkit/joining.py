@@ -1,0 +1,177 @@
+"""How a process joins the job: which backend and device, the bounded wait for every peer,
+and the input checks of `setup()` (a bad backend or timeout is a ConfigError before anything
+waits). Used by `ddpkit.session.setup`."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit import protocol
+from ddpkit.env import DistEnv, check_gpu_fit
+from ddpkit.errors import ConfigError, EnvError, InitTimeoutError
+from ddpkit.ranges import ranks_text
+
+BACKENDS = ("auto", "nccl", "gloo")
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: longer is a typo, and torch's timers overflow on inf
+DEFAULT_INIT_TIMEOUT = 300.0
+
+
+def requested_backend(backend: object) -> str:
+    """The backend asked for: the script's argument, or with "auto" what `ddpkit run` decided
+    (CPU processes: gloo) or DDPKIT_BACKEND says; "auto" when nobody said."""
+    sources = [("setup(backend=...)", backend)]
+    if backend == "auto":
+        sources += [(var, os.environ.get(var, "")) for var in (protocol.BACKEND, "DDPKIT_BACKEND")]
+    for name, value in sources:
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"{name} is {value!r}, not one of {BACKENDS}",
+                fix="use 'auto' (nccl with one GPU per rank, else gloo)",
+            )
+        word = value.strip().lower()
+        if word and word not in BACKENDS:
+            where = name if name.startswith("setup") else f"{name}={value!r}"
+            raise ConfigError(
+                f"{where} is not one of {', '.join(BACKENDS)}",
+                fix="use auto (nccl with one GPU per rank, else gloo), nccl or gloo",
+            )
+        if word and word != "auto":
+            return word
+    return "auto"
+
+
+def group_timeout(timeout: object) -> timedelta | None:
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ConfigError(
+            f"setup(timeout={timeout!r}) is not a number of seconds",
+            fix="pass seconds as a number, e.g. setup(timeout=600), or a timedelta",
+        )
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT:
+        raise ConfigError(
+            f"setup(timeout={timeout!r}) must be more than 0 and at most {MAX_TIMEOUT:.0f} s",
+            fix="pass the seconds init and collectives may wait, e.g. setup(timeout=600)",
+        )
+    return timedelta(seconds=seconds)
+
+
+def seconds_from_env(names: tuple[str, ...], default: float) -> float:
+    for name in names:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT:
+            raise ConfigError(
+                f"{name}={raw!r} is not a number of seconds between 0 and {MAX_TIMEOUT:.0f}",
+                fix=f"set {name} to the seconds init may wait (e.g. 300), or unset it",
+            )
+        return seconds
+    return default
+
+
+def drain_gloo(timeout: float = 10.0) -> None:
+    """Let gloo's worker threads finish with their last collectives before the group goes.
+
+    A finished gloo work is freed on gloo's own thread, which must take the GIL to release a
+    Python object it captured. If the main thread destroys the group (or the interpreter shuts
+    down) first, that thread deadlocks or aborts the process ("terminate called without an
+    active exception"; seen in 2 of 16 two-rank DDP runs under torchrun and ddpkit alike, torch
+    2.13). A bounded barrier waits with the GIL released, so they finish; a peer that is gone
+    costs at most `timeout` seconds, never a hang.
+    """
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    except RuntimeError:
+        pass
+
+
+def choose(env: DistEnv, backend: str) -> tuple[str, torch.device]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        own_gpu = gpus >= env.local_world_size and dist.is_nccl_available()
+        if gpus and not own_gpu:
+            print(
+                f"ddpkit: {env.local_world_size} processes on this node but {gpus} GPU(s): "
+                "using gloo on the CPU",
+                file=sys.stderr,
+                flush=True,
+            )
+        backend = "nccl" if own_gpu and gpus else "gloo"
+    if backend == "nccl":
+        if not gpus:
+            raise EnvError(
+                "backend='nccl' needs a CUDA GPU, and none is visible",
+                fix="use backend='auto' or 'gloo' on CPU-only machines",
+            )
+        check_gpu_fit(env, gpus)
+        return "nccl", torch.device("cuda", env.local_rank)
+    return "gloo", torch.device("cpu")
+
+
+def rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
+    """A store every rank shares, after every rank has arrived (or an error naming who did
+    not, within init_timeout)."""
+    if env.world_size == 1 and env.launcher == "none":
+        return dist.HashStore()
+    state_dir = os.environ.get(protocol.STATE_DIR)
+    if state_dir:  # the launcher's init watch starts now: it names who never arrives
+        with contextlib.suppress(OSError):
+            protocol.write_phase(state_dir, env.rank, "init")
+    # Under ddpkit run / torchrun the launcher holds the store; otherwise rank 0 does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_server = env.rank == 0 and not agent_store
+    started = time.monotonic()
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_server,
+            timeout=timedelta(seconds=init_timeout),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    except (RuntimeError, dist.DistNetworkError) as err:
+        where = f"{env.master_addr}:{env.master_port}"
+        if is_server:
+            raise InitTimeoutError(
+                f"rank 0 could not listen on {where}: {err}",
+                fix="MASTER_PORT is probably in use: pick another, or let `ddpkit run` "
+                "choose a free one",
+            ) from err
+        raise InitTimeoutError(
+            f"rank {env.rank} could not reach rank 0 at {where} within {init_timeout:.0f} s",
+            fix="start every rank (ddpkit run does), and check MASTER_ADDR/MASTER_PORT",
+        ) from err
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"ddpkit/arrive/{attempt}/"
+    store.set(f"{prefix}{env.rank}", "1")
+    if store.add(f"{prefix}count", 1) == env.world_size:
+        store.set(f"{prefix}all", "1")  # the last to arrive tells the others: no polling
+    left = max(0.0, started + init_timeout - time.monotonic())
+    try:
+        store.wait([f"{prefix}all"], timedelta(seconds=left))
+    except (RuntimeError, dist.DistError):
+        missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
+        arrived = env.world_size - len(missing)
+        raise InitTimeoutError(
+            f"{arrived} of {env.world_size} ranks arrived at init within "
+            f"{init_timeout:.0f} s; missing: rank {ranks_text(missing)}",
+            fix="start every rank with the same WORLD_SIZE (ddpkit run does), or look at "
+            "why the missing ranks stopped before setup()",
+        ) from None
+    return dist.PrefixStore(f"ddpkit/pg/{attempt}", store)

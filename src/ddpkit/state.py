@@ -1,0 +1,295 @@
+"""Training state that survives a stop: `s.save_state(path, **objects)` and
+`s.load_state(path, **objects)`, so that a resumed run is the run that never stopped.
+
+Layout (a folder per save, made atomic by a rename once every rank has written its part):
+
+    path/state-00000012/shared.pt     rank 0: model, optimizer, schedules, scaler, dicts
+    path/state-00000012/rank0.pt ...  each rank: its RNG states, its loaders' positions
+    path/state-00000012/COMPLETE      written last: a state without it is never loaded
+
+A save killed midway leaves `path/.state-*.tmp` (ignored, removed by the next save) and the
+previous state loadable. `keep` states are kept, the older removed. Everything is read with
+weights_only=True. The model/optimizer part loads after a change of world size; the per-rank
+part (RNG, loader positions) cannot follow one and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import CheckpointError
+
+STATE_PREFIX = "state-"
+DONE = "COMPLETE"
+FORMAT = 1
+
+
+def _unwrapped(obj: Any) -> Any:
+    from ddpkit.wrapping import unwrap
+
+    return unwrap(obj) if isinstance(obj, torch.nn.Module) else obj
+
+
+def _kind(name: str, obj: Any) -> str:
+    if hasattr(obj, "resume_state") and hasattr(obj, "restore"):  # an s.loader
+        return "loader"
+    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        return "stateful"
+    if isinstance(obj, dict):
+        return "dict"
+    raise CheckpointError(
+        f"save_state({name}=...) got a {type(obj).__name__}: it has no state_dict() and is not "
+        "a dict",
+        fix="pass modules, optimizers, schedulers, scalers, s.loader(...)s and dicts",
+    )
+
+
+# -- RNG -----------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states: Python, numpy (when installed), torch CPU, every GPU."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- save ----------------------------------------------------------------------------------
+
+
+def save_state(
+    path: str | os.PathLike[str],
+    objects: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    keep: int = 2,
+) -> Path:
+    """Collective. Returns the state's folder."""
+    if keep < 1:
+        raise CheckpointError(f"save_state(keep={keep}) keeps nothing", fix="keep=1 or more")
+    root = Path(path)
+    kinds = {name: _kind(name, obj) for name, obj in objects.items()}
+    error = None
+    seq = 0
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale(root)
+            seq = _latest_seq(root) + 1
+            tmp = root / f".{STATE_PREFIX}{seq:08d}.tmp"
+            tmp.mkdir()
+        except OSError as err:
+            error = f"{root}: {err.strerror or err}"
+    seq, error = _broadcast((seq, error), world_size)
+    _fail_if(error)
+    tmp = root / f".{STATE_PREFIX}{seq:08d}.tmp"
+    error = None
+    try:
+        mine = {
+            "format": FORMAT,
+            "rank": rank,
+            "world_size": world_size,
+            "rng": rng_state(),
+            "loaders": {n: o.resume_state() for n, o in objects.items() if kinds[n] == "loader"},
+        }
+        _write(tmp / f"rank{rank}.pt", mine)
+        if rank == 0:
+            shared = {
+                "format": FORMAT,
+                "world_size": world_size,
+                "time": time.time(),
+                "stateful": {
+                    n: _unwrapped(o).state_dict()
+                    for n, o in objects.items()
+                    if kinds[n] == "stateful"
+                },
+                "dicts": {n: dict(o) for n, o in objects.items() if kinds[n] == "dict"},
+            }
+            _write(tmp / "shared.pt", shared)
+    except Exception as err:  # torch.save says ENOSPC as a RuntimeError
+        from ddpkit.checkpoint import why
+
+        error = f"rank {rank}: {why(err)}"
+    errors = _gather(error, world_size)
+    _fail_if(next((e for e in errors if e), None))
+    final = root / f"{STATE_PREFIX}{seq:08d}"
+    if rank == 0:
+        try:
+            (tmp / DONE).write_text(f"{world_size}\n")
+            _fsync_dir(tmp)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            _prune(root, keep)
+        except OSError as err:
+            error = f"{final}: {err.strerror or err}"
+    _fail_if(_broadcast(error, world_size))
+    return final
+
+
+def _write(target: Path, obj: Any) -> None:
+    with open(target, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _states(root: Path) -> list[Path]:
+    """Complete states, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith(STATE_PREFIX) and p.name[len(STATE_PREFIX) :].isdigit()
+    ]
+    return sorted((p for p in found if (p / DONE).exists()), key=lambda p: p.name)
+
+
+def _latest_seq(root: Path) -> int:
+    seqs = [
+        int(p.name.split("-")[-1].split(".")[0])
+        for p in root.iterdir()
+        if STATE_PREFIX in p.name and p.name.split("-")[-1].split(".")[0].isdigit()
+    ]
+    return max(seqs, default=0)
+
+
+def _remove_stale(root: Path) -> None:
+    for p in root.glob(f".{STATE_PREFIX}*.tmp"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _prune(root: Path, keep: int) -> None:
+    for old in _states(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- load ----------------------------------------------------------------------------------
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    objects: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    rng: bool = True,
+) -> bool:
+    """Collective. False when `path` holds no complete state (a first run)."""
+    kinds = {name: _kind(name, obj) for name, obj in objects.items()}
+    states = _states(Path(path))
+    if not states:
+        return False
+    folder = states[-1]
+    shared = _read(folder / "shared.pt", device)
+    saved_world = int(shared["world_size"])
+    per_rank = kinds and any(k == "loader" for k in kinds.values())
+    if saved_world != world_size and (rng or per_rank):
+        raise CheckpointError(
+            f"{folder} was saved by {saved_world} ranks and this job has {world_size}: each "
+            "rank's random state and loader position cannot follow to another world size",
+            fix="load only the replicated part: s.load_state(path, model=..., optimizer=..., "
+            "rng=False), without the loader (its epoch starts over)",
+        )
+    for name, kind in kinds.items():
+        obj = objects[name]
+        if kind == "stateful":
+            if name not in shared["stateful"]:
+                raise _missing(folder, name)
+            _unwrapped(obj).load_state_dict(shared["stateful"][name])
+        elif kind == "dict":
+            if name not in shared["dicts"]:
+                raise _missing(folder, name)
+            obj.clear()
+            obj.update(shared["dicts"][name])
+    if rng or per_rank:
+        mine = _read(folder / f"rank{rank}.pt", torch.device("cpu"))
+        for name, kind in kinds.items():
+            if kind == "loader":
+                if name not in mine["loaders"]:
+                    raise _missing(folder, name)
+                objects[name].restore(mine["loaders"][name])
+        if rng:
+            set_rng_state(mine["rng"])
+    return True
+
+
+def _read(file: Path, device: torch.device) -> Any:
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"{file} could not be read: {err}",
+            fix="the state is damaged; remove its folder to resume from the one before",
+        ) from err
+
+
+def _missing(folder: Path, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{folder} holds no {name!r}", fix=f"save it with s.save_state(path, {name}=...) first"
+    )
+
+
+# -- collectives on small Python values ------------------------------------------------------
+
+
+def _broadcast(value: Any, world_size: int) -> Any:
+    if world_size == 1 or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value: Any, world_size: int) -> list[Any]:
+    if world_size == 1 or not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _fail_if(error: str | None) -> None:
+    if error:
+        raise CheckpointError(
+            f"the training state could not be saved: {error}",
+            fix="check free space and permissions of that folder; the previous state is intact",
+        )
