@@ -12,9 +12,8 @@ from ddpkit.errors import ConfigError
 
 
 def test_autocast_is_off_on_cpu_by_default_and_bf16_when_asked():
-    with ddpkit.setup() as s:
-        with s.autocast():
-            assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
+    with ddpkit.setup() as s, s.autocast():
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
     with ddpkit.setup(precision="bf16") as s, s.autocast():
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
 
