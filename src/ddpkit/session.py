@@ -15,7 +15,7 @@ import builtins
 import contextlib
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,6 +27,7 @@ from torch import nn
 from ddpkit import checkpoint, comm, joining, loaders, protocol, state
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
+from ddpkit.graphs import ASYNC_VARIABLE, capture
 from ddpkit.seeding import seed_everything
 from ddpkit.stopping import StopFlag
 from ddpkit.training import Precision
@@ -121,7 +122,16 @@ class Session:
             if self.device.type == "cuda":
                 ddp_kwargs.setdefault("device_ids", [self.device.index])
                 ddp_kwargs.setdefault("output_device", self.device.index)
-            model = DistributedDataParallel(model, **ddp_kwargs)
+            if self.device.type == "cuda":
+                # built on a side stream, as a CUDA graph of the step needs (s.graph); the
+                # same for eager steps
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    model = DistributedDataParallel(model, **ddp_kwargs)
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                model = DistributedDataParallel(model, **ddp_kwargs)
             if compress is not None:
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -193,6 +203,33 @@ class Session:
         """True on every rank once any rank got SIGTERM, SIGINT or SIGUSR1 (reading it the
         first time makes those signals set it instead of ending the script)."""
         return self._stop.agreed(self.world_size, self._comm_device)
+
+    # -- graphed steps -------------------------------------------------------------------
+
+    def graph(
+        self,
+        step: Callable[..., Any],
+        *inputs: Any,
+        model: nn.Module | Sequence[nn.Module] = (),
+        optimizer: Any = (),
+        warmup: int = 12,
+    ) -> Callable[..., Any]:
+        """`step(*inputs)` (forward, backward, optimizer step) captured as a CUDA graph after
+        `warmup` eager steps; call the result with new inputs of the same shapes. Pass the
+        model and optimizer(s) so their state before the warm-up is put back (ddpkit.graphs).
+        On the CPU or gloo the step runs eagerly."""
+        models = [model] if isinstance(model, nn.Module) else list(model)
+        optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+        return capture(
+            step,
+            inputs,
+            optimizers,
+            models,
+            self.device,
+            self.backend,
+            self.world_size,
+            warmup,
+        )
 
     # -- precision -----------------------------------------------------------------------
 
@@ -314,6 +351,7 @@ def setup(
     timeout: float | timedelta | None = None,
     seed: int | None = None,
     precision: str = "auto",
+    graphs: bool = False,
 ) -> Session:
     """Join the job started by a launcher (ddpkit run, torchrun, srun, mpirun), or run as a
     single process when there is none. `timeout` bounds init (peers must arrive within it) and
@@ -346,6 +384,9 @@ def setup(
             file=sys.stderr,
             flush=True,
         )
+    if graphs:
+        # s.graph with DDP: PyTorch's CUDA-graphs notes want NCCL's async error handling off
+        os.environ.setdefault(ASYNC_VARIABLE, "0")
     store = joining.rendezvous(env, init_timeout)
     kwargs: dict[str, Any] = {}
     if group_timeout is not None:

@@ -42,7 +42,10 @@ class Precision:
             yield
             return
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        with torch.autocast(self.device.type, dtype=dtype, cache_enabled=True):
+        # a CUDA graph capture must not keep autocast's cache of cast weights (they would be
+        # stale on replay), as PyTorch's CUDA-graphs notes say
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        with torch.autocast(self.device.type, dtype=dtype, cache_enabled=not capturing):
             yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

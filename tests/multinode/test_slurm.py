@@ -60,11 +60,11 @@ def assert_nothing_left(timeout: float = 15) -> None:
 
 def test_srun_starts_one_launcher_per_node_and_the_job_forms(cluster, tmp_path):
     step = cluster.srun(
-        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2", str(SCRIPT), "2"], tmp_path
+        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "1", str(SCRIPT), "2"], tmp_path
     )
     assert step.finish(120) == 0, step.stdout + step.stderr
-    assert step.stdout.count("MASTER_ADDR=node0 ") == 4
-    assert step.stdout.count("] done") == 4
+    assert step.stdout.count("MASTER_ADDR=node0 ") == 2
+    assert step.stdout.count("] done") == 2
     assert "(node 1 of 2, node1;" in step.stderr
     assert_quiet(step)
     assert_nothing_left()
@@ -72,7 +72,7 @@ def test_srun_starts_one_launcher_per_node_and_the_job_forms(cluster, tmp_path):
 
 def test_scancel_signal_reaches_every_nodes_launcher(cluster, tmp_path):
     step = cluster.srun(
-        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2", str(SCRIPT), "600", "--sleep", "1"],
+        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "1", str(SCRIPT), "600", "--sleep", "1"],
         tmp_path,
     )
     step.wait_for("Epoch 0", timeout=90)
@@ -86,7 +86,7 @@ def test_scancel_signal_reaches_every_nodes_launcher(cluster, tmp_path):
 
 def test_a_lost_node_under_slurm_stops_the_job(cluster, tmp_path):
     step = cluster.srun(
-        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2", str(SCRIPT), "600", "--sleep", "1"],
+        ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "1", str(SCRIPT), "600", "--sleep", "1"],
         tmp_path,
     )
     step.wait_for("Epoch 0", timeout=90)

@@ -31,7 +31,7 @@ def test_doctor_on_every_node_compares_them_and_runs_one_all_reduce_across(two, 
     codes, procs = on_both(two, tmp_path, "doctor", "--nnodes", "2", "--rdzv", "node0:29400")
     assert codes == [0, 0], procs[0].stdout + procs[0].stderr
     for p in procs:
-        assert "smoke test   all_reduce on 4 rank(s) (gloo): correct" in p.stdout
+        assert "smoke test   all_reduce on 4 rank(s) (gloo): correct" in p.stdout  # -n cpu: 2
         for n in two.nodes:
             assert f"node {n.host}: torch " in p.stdout
             assert f"reaches node 0 from {n.addr} (eth0)" in p.stdout

@@ -73,3 +73,21 @@ def test_augmentation_randomness_does_not_depend_on_workers_or_resume():
         before = torch.get_rng_state()
         list(s.loader(Noisy(), batch_size=3))
         assert torch.equal(before, torch.get_rng_state()), "the loop's own RNG is left alone"
+
+
+def test_a_graphed_step_on_the_cpu_runs_eagerly_with_one_warning():
+    with ddpkit.setup(seed=0) as s:
+        model = s.wrap(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        with pytest.warns(UserWarning, match="runs eagerly"):
+            graphed = s.graph(step, torch.ones(2, 4), model=model, optimizer=opt)
+        first, second = graphed(torch.ones(2, 4)), graphed(torch.ones(2, 4))
+        assert first != second, "each call is a real training step"

@@ -71,7 +71,12 @@ def run(args: Any) -> int:
         "precision": args.precision,
         "compile": args.compile,
         "frameworks": ["accelerate", "fabric"] if args.frameworks else [],
+        "graphs": bool(args.graphs),
     }
+    if args.graphs and not gpus:
+        raise ConfigError(
+            "--graphs needs GPUs: CUDA graphs capture GPU work", fix="leave out --graphs on CPU"
+        )
     print(
         f"# ddpkit bench ddp: model {model}, batch {args.batch} per rank, {args.precision}, "
         f"{args.steps} interleaved steps per variant, ranks {','.join(map(str, counts))}",
@@ -98,6 +103,22 @@ def run(args: Any) -> int:
             f"{row['exposed_comm_ms']:10.2f} {peak:>9} {row['wrap_over_raw']:8.3f} {busy:>8}",
             flush=True,
         )
+    if args.graphs:
+        print(
+            f"# {'ranks':>5} {'graphed ms':>10} {'p90/med':>7} {'eager ms':>9} {'p90/med':>7} "
+            f"{'graphed eff':>11} {'graphed/eager':>13}",
+            flush=True,
+        )
+        base = rows[0]["variants"]["graphed"]["step_ms"]
+        for row in rows:
+            g, e = row["variants"]["graphed"], row["variants"]["wrap"]
+            row["graphed_efficiency"] = base / g["step_ms"]  # fixed batch per GPU
+            print(
+                f"  {row['ranks']:>5} {g['step_ms']:10.2f} {g['p90_over_median']:7.3f} "
+                f"{e['step_ms']:9.2f} {e['p90_over_median']:7.3f} "
+                f"{row['graphed_efficiency']:11.3f} {g['step_ms'] / e['step_ms']:13.3f}",
+                flush=True,
+            )
     for row in rows:
         others = ", ".join(
             f"{k} {v['over_raw']:.3f}" for k, v in row["variants"].items() if k != "wrap"

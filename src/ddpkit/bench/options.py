@@ -125,6 +125,11 @@ def add_ddp_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot throughput and efficiency")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time the step captured as a CUDA graph (s.graph), interleaved (GPUs)",
+    )
+    p.add_argument(
         "--frameworks",
         action="store_true",
         help="also time Accelerate and Lightning Fabric (when installed), "

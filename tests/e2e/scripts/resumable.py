@@ -6,6 +6,7 @@ step's loss on every rank as `loss rank R epoch E step S = <exact value>`.
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -39,14 +40,18 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--deterministic", action="store_true", help="GPU kernels too")
     args = parser.parse_args()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     with ddpkit.setup(seed=1) as s:
         model = s.wrap(
             nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
-        loader = s.loader(Noisy(), batch_size=16, num_workers=2)
+        loader = s.loader(Noisy(), batch_size=16, num_workers=2, to_device=True)
         progress = {"step": 0}
         if s.load_state(
             args.state,

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every GPU measurement of ddpkit, for any number of GPUs, one mode per 10-minute device call:
+#
+#   bash benchmarks/gpu.sh tests        # the GPU tests (tests/gpu): NCCL setup, flight
+#                                       # recorder, faults, graphed steps, exact resume
+#   bash benchmarks/gpu.sh launcher     # doctor, the demo, start-up against torchrun
+#   bash benchmarks/gpu.sh collectives  # every collective at 2..N GPUs, eager and -G
+#   bash benchmarks/gpu.sh training     # bench ddp: GPT b8/b32 with --graphs, ResNet b64
+#   bash benchmarks/gpu.sh faults       # only the NCCL fault tests, on every GPU
+#   bash benchmarks/gpu.sh clients      # bench ddp against Accelerate and Fabric
+#
+# Run from the repository root (the device tool does): ddpkit from the tree (PYTHONPATH=src).
+# Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
+# (the device's notes), in every worker too (they inherit this environment).
+set -u
+MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients"}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+N=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+counts() {  # 1 2 4 ... N
+  local c=1 out=""
+  while [ "$c" -le "$N" ]; do out="$out $c"; c=$((c * 2)); done
+  case " $out " in *" $N "*) ;; *) out="$out $N" ;; esac
+  echo "$out" | tr ' ' '\n' | grep . | paste -sd, -
+}
+machine() {
+  { nvidia-smi -L; python3 -c "import sys, torch; print('python', sys.version.split()[0],
+'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+    nproc; } > "$OUT/machine.txt" 2>&1
+  cat "$OUT/machine.txt"
+}
+
+case "$MODE" in
+tests | faults)
+  machine
+  what=tests/gpu
+  [ "$MODE" = faults ] && what=tests/gpu/test_nccl_faults.py
+  timeout 580 python3 -m pytest -m gpu "$what" -v -s -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|resume on|stall to report" \
+    "$OUT/gpu_tests.txt" | tail -40
+  ;;
+launcher)
+  machine
+  python3 -m ddpkit doctor >"$OUT/doctor.txt" 2>&1
+  echo "doctor exit $?" >>"$OUT/doctor.txt"
+  python3 -m ddpkit demo 2>&1 | tr '\r' '\n' | grep -v '%|' >"$OUT/demo.txt"
+  timeout 300 python3 benchmarks/launch_vs_torchrun.py --runs 5 --exit-runs 10 >"$OUT/launch.txt" 2>&1
+  tail -3 "$OUT/doctor.txt"; tail -3 "$OUT/demo.txt"; tail -8 "$OUT/launch.txt"
+  ;;
+collectives)
+  machine
+  mkdir -p "$OUT/bench"
+  for g in $(counts | tr ',' ' '); do
+    [ "$g" -lt 2 ] && continue
+    for c in all_reduce all_gather reduce_scatter alltoall broadcast sendrecv; do
+      timeout 120 python3 -m ddpkit bench "$c" -b 8 -e 1G -f 2 -g "$g" \
+        --json "$OUT/bench/${c}_g$g.json" >"$OUT/bench/${c}_g$g.txt" 2>&1 || echo "FAILED $c -g $g"
+      timeout 120 python3 -m ddpkit bench "$c" -b 8 -e 1G -f 2 -g "$g" -G 20 \
+        --json "$OUT/bench/${c}_g${g}_graph.json" >"$OUT/bench/${c}_g${g}_graph.txt" 2>&1 ||
+        echo "FAILED $c -g $g -G"
+    done
+  done
+  grep -H "Avg bus bandwidth" "$OUT"/bench/*.txt
+  ;;
+training)
+  machine
+  for batch in 8 32; do
+    echo "### gpt b$batch"
+    timeout 280 python3 -m ddpkit bench ddp --model gpt --gpus "$(counts)" --batch "$batch" \
+      --steps 40 --graphs --json "$OUT/ddp_gpt_b$batch.json" 2>&1 | grep -v "^ddpkit: run"
+  done | tee "$OUT/training.txt"
+  ;;
+clients)
+  machine
+  timeout 580 python3 -m ddpkit bench ddp --model gpt --gpus "$(counts)" --batch 8 --steps 40 \
+    --frameworks --json "$OUT/ddp_clients.json" 2>&1 | grep -v "^ddpkit: run" | tee "$OUT/clients.txt"
+  ;;
+*)
+  echo "unknown mode $MODE" >&2
+  exit 2
+  ;;
+esac

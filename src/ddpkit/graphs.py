@@ -1,0 +1,236 @@
+"""`step = s.graph(train_step, *example_inputs)`: a whole training step (forward, backward with
+DDP's all-reduce, optimizer step) captured once as a CUDA graph and replayed, so the host no
+longer sets the pace of a host-bound step.
+
+Done for the user, in the order PyTorch's CUDA-graphs notes require with DDP: DDP built on a
+side stream (`s.wrap` does that on GPUs), NCCL's async error handling off before init
+(`ddpkit.setup(graphs=True)`), `warmup` eager steps (DDP needs 11) on a side stream, grads set
+to None, then capture. The model's and optimizers' state before the warm-up is put back after
+the capture, so the graphed run starts where an eager one would (exactness: losses equal to the
+eager run's, bit for bit where the kernels are deterministic and the step draws no random
+numbers). Each call copies the new inputs into the captured ones, replays, waits for the
+device inside a progress record (so the hang watch names a replay that never ends), and
+returns the captured outputs (the same tensors every time: clone what you keep).
+
+Boundaries: on the CPU or gloo there is nothing to capture: the step runs eagerly, with one
+warning. Inputs of another shape or dtype than at capture (a short last batch) are an error
+naming both (drop_last=True, or pad). An op that cannot be captured is an error naming it.
+Optimizers must keep their state on the GPU (Adam/AdamW: capturable=True); a float learning
+rate is turned into a tensor so that a schedule's changes reach the graph.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ddpkit.errors import ConfigError
+
+DDP_WARMUP = 11  # DDP's eager iterations before capture (PyTorch's CUDA-graphs notes)
+ASYNC_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def check_setup(backend: str, world_size: int) -> None:
+    if backend == "nccl" and world_size > 1 and os.environ.get(ASYNC_VARIABLE) != "0":
+        raise ConfigError(
+            "s.graph with DDP needs NCCL's async error handling off before the process group "
+            f"is made ({ASYNC_VARIABLE}=0), as PyTorch's CUDA-graphs notes require",
+            fix="call ddpkit.setup(graphs=True), which sets it before init",
+        )
+
+
+class GraphedStep:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        inputs: Sequence[torch.Tensor],
+        optimizers: Sequence[torch.optim.Optimizer],
+        models: Sequence[torch.nn.Module],
+        warmup: int,
+        site: str,
+    ) -> None:
+        self.fn = fn
+        self.site = site
+        self.optimizers = list(optimizers)
+        self.static_inputs = [x.detach().clone() for x in inputs]
+        for opt in optimizers:
+            _make_capturable(opt)
+        saved = _snapshot(models, optimizers)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._eager_step(optimizers)
+        torch.cuda.current_stream().wait_stream(side)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)  # grads come from the graph's own memory pool
+        _restore(saved, models, optimizers)
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.static_outputs = fn(*self.static_inputs)
+        except RuntimeError as err:
+            raise ConfigError(
+                f"the step could not be captured as a CUDA graph: {str(err).splitlines()[0]}",
+                fix="keep ops that sync with the host (.item(), printing tensors, data-dependent "
+                "shapes) out of the step, or run the step eagerly",
+            ) from err
+        torch.cuda.synchronize()
+        # learning rates the graph holds as constants (optimizers that take them as floats)
+        self.baked = [
+            (opt, i, group["lr"])
+            for opt in self.optimizers
+            for i, group in enumerate(opt.param_groups)
+            if isinstance(group.get("lr"), float)
+        ]
+
+    def _eager_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.fn(*self.static_inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        for opt, i, lr in self.baked:
+            if opt.param_groups[i]["lr"] != lr:
+                raise ConfigError(
+                    f"the learning rate of {type(opt).__name__} changed after capture "
+                    f"({lr} -> {opt.param_groups[i]['lr']}), and this optimizer reads it as a "
+                    "constant the graph holds",
+                    fix=f"make it {type(opt).__name__}(..., fused=True) (or capturable=True for "
+                    "Adam/AdamW), which read the learning rate from the GPU",
+                )
+        if len(inputs) != len(self.static_inputs):
+            raise ConfigError(
+                f"the graphed step takes {len(self.static_inputs)} inputs, got {len(inputs)}",
+                fix="call it with the same inputs as at s.graph(...)",
+            )
+        for static, new in zip(self.static_inputs, inputs, strict=True):
+            if new.shape != static.shape or new.dtype != static.dtype:
+                raise ConfigError(
+                    f"an input of shape {list(new.shape)} ({new.dtype}) after capture with "
+                    f"{list(static.shape)} ({static.dtype}): a graph replays fixed shapes",
+                    fix="give the loader drop_last=True (a short last batch), or pad inputs to "
+                    "the captured shape",
+                )
+            static.copy_(new, non_blocking=True)
+        from ddpkit.rank.progress import writer
+
+        record = writer()
+        if record is not None:
+            record.enter("graph replay", "", self.site)
+        try:
+            self.graph.replay()
+            torch.cuda.current_stream().synchronize()  # a stall here is seen and named
+        finally:
+            if record is not None:
+                record.leave("graph replay", "", self.site)
+        return self.static_outputs
+
+
+class EagerStep:
+    """Where there is nothing to capture (CPU, gloo): the step as it is."""
+
+    def __init__(self, fn: Callable[..., Any], why: str) -> None:
+        self.fn = fn
+        warnings.warn(f"s.graph: {why}; the step runs eagerly", stacklevel=3)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.fn(*inputs)
+
+
+def capture(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    optimizers: Sequence[torch.optim.Optimizer],
+    models: Sequence[torch.nn.Module],
+    device: torch.device,
+    backend: str,
+    world_size: int,
+    warmup: int,
+) -> GraphedStep | EagerStep:
+    if device.type != "cuda":
+        return EagerStep(fn, "CUDA graphs need a GPU and this rank runs on the CPU")
+    check_setup(backend, world_size)
+    if not all(isinstance(x, torch.Tensor) for x in inputs):
+        raise ConfigError(
+            "s.graph(step, *inputs): every input must be a tensor (they become the captured "
+            "buffers each call copies into)",
+            fix="pass the batch's tensors, e.g. s.graph(step, x, y)",
+        )
+    if world_size > 1 and warmup < DDP_WARMUP:
+        raise ConfigError(
+            f"s.graph(warmup={warmup}): DDP needs {DDP_WARMUP} eager steps before capture",
+            fix=f"leave warmup out, or give {DDP_WARMUP} or more",
+        )
+    for opt in optimizers:
+        if "capturable" in opt.defaults and not opt.defaults["capturable"]:
+            raise ConfigError(
+                f"{type(opt).__name__} keeps its step counters on the host, which a graph "
+                "cannot update",
+                fix=f"make it with capturable=True: {type(opt).__name__}(..., capturable=True)",
+            )
+    frame = sys._getframe(2)
+    site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return GraphedStep(fn, [x.to(device) for x in inputs], optimizers, models, warmup, site)
+
+
+def _takes_tensor_lr(opt: torch.optim.Optimizer) -> bool:
+    """Adam/AdamW with capturable=True and fused optimizers read lr from device memory."""
+    return bool(opt.defaults.get("capturable") or opt.defaults.get("fused"))
+
+
+def _make_capturable(opt: torch.optim.Optimizer) -> None:
+    """A float learning rate becomes a tensor on the GPU where the optimizer reads it from
+    there, so that a schedule writing a new value into it changes what the graph reads."""
+    if not _takes_tensor_lr(opt):
+        return
+    device = next((p.device for g in opt.param_groups for p in g["params"]), None)
+    for group in opt.param_groups:
+        if isinstance(group.get("lr"), float) and device is not None:
+            group["lr"] = torch.tensor(group["lr"], device=device)
+
+
+def _snapshot(
+    models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> list[Any]:
+    state: list[Any] = []
+    for model in models:
+        state.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    for opt in optimizers:
+        state.append(
+            (
+                {id(p): {k: _clone(v) for k, v in s.items()} for p, s in opt.state.items()},
+                [_clone(g.get("lr")) for g in opt.param_groups],
+            )
+        )
+    return state
+
+
+def _restore(
+    state: list[Any], models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
+    """Back to the state before the warm-up, in place (the graph keeps these addresses)."""
+    with torch.no_grad():
+        for model, saved in zip(models, state, strict=False):
+            for k, v in model.state_dict().items():
+                v.copy_(saved[k])
+        for opt, (saved_state, lrs) in zip(optimizers, state[len(models) :], strict=True):
+            for p, s in opt.state.items():
+                before = saved_state.get(id(p))
+                for k, v in s.items():
+                    if before is not None and k in before and isinstance(v, torch.Tensor):
+                        v.copy_(before[k])
+                    elif isinstance(v, torch.Tensor):
+                        v.zero_()  # made during the warm-up: as new
+            for group, lr in zip(opt.param_groups, lrs, strict=True):
+                if isinstance(group.get("lr"), torch.Tensor) and lr is not None:
+                    group["lr"].copy_(lr)
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
