@@ -52,10 +52,8 @@ class GraphedStep:
         optimizers: Sequence[torch.optim.Optimizer],
         models: Sequence[torch.nn.Module],
         warmup: int,
-        site: str,
     ) -> None:
         self.fn = fn
-        self.site = site
         self.optimizers = list(optimizers)
         self.static_inputs = [x.detach().clone() for x in inputs]
         for opt in optimizers:
@@ -63,7 +61,7 @@ class GraphedStep:
         saved = _snapshot(models, optimizers)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _quiet_stream_mismatch():
             for _ in range(warmup):
                 self._eager_step(optimizers)
         torch.cuda.current_stream().wait_stream(side)
@@ -72,7 +70,7 @@ class GraphedStep:
         _restore(saved, models, optimizers)
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph), _quiet_stream_mismatch():
                 self.static_outputs = fn(*self.static_inputs)
         except RuntimeError as err:
             raise ConfigError(
@@ -89,6 +87,13 @@ class GraphedStep:
             if isinstance(group.get("lr"), float)
         ]
 
+    def release(self) -> None:
+        """Free the graph (and the NCCL work it holds), before the process group goes."""
+        if getattr(self, "graph", None) is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph = None
+
     def _eager_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
@@ -104,6 +109,11 @@ class GraphedStep:
                     fix=f"make it {type(opt).__name__}(..., fused=True) (or capturable=True for "
                     "Adam/AdamW), which read the learning rate from the GPU",
                 )
+        if self.graph is None:
+            raise ConfigError(
+                "the graphed step was released (its session was closed)",
+                fix="call it inside the `with ddpkit.setup() as s:` block that made it",
+            )
         if len(inputs) != len(self.static_inputs):
             raise ConfigError(
                 f"the graphed step takes {len(self.static_inputs)} inputs, got {len(inputs)}",
@@ -121,19 +131,25 @@ class GraphedStep:
         from ddpkit.rank.progress import writer
 
         record = writer()
+        site = ""
         if record is not None:
-            record.enter("graph replay", "", self.site)
+            caller = sys._getframe(1)
+            site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+            record.enter("graph replay", "", site)
         try:
             self.graph.replay()
             torch.cuda.current_stream().synchronize()  # a stall here is seen and named
         finally:
             if record is not None:
-                record.leave("graph replay", "", self.site)
+                record.leave("graph replay", "", site)
         return self.static_outputs
 
 
 class EagerStep:
     """Where there is nothing to capture (CPU, gloo): the step as it is."""
+
+    def release(self) -> None:
+        pass
 
     def __init__(self, fn: Callable[..., Any], why: str) -> None:
         self.fn = fn
@@ -174,9 +190,7 @@ def capture(
                 "cannot update",
                 fix=f"make it with capturable=True: {type(opt).__name__}(..., capturable=True)",
             )
-    frame = sys._getframe(2)
-    site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-    return GraphedStep(fn, [x.to(device) for x in inputs], optimizers, models, warmup, site)
+    return GraphedStep(fn, [x.to(device) for x in inputs], optimizers, models, warmup)
 
 
 def _takes_tensor_lr(opt: torch.optim.Optimizer) -> bool:
@@ -234,3 +248,18 @@ def _restore(
 
 def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class _quiet_stream_mismatch:  # noqa: N801 - a context manager, named as one
+    """The warm-up runs on a side stream by design (PyTorch's CUDA-graphs notes): autograd's
+    warning that its streams differ from the model's says nothing the user can act on."""
+
+    def __enter__(self) -> None:
+        setter = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+        self.setter = setter
+        if setter is not None:
+            setter(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.setter is not None:
+            self.setter(True)

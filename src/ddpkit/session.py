@@ -15,6 +15,7 @@ import builtins
 import contextlib
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,6 +63,8 @@ class Session:
         self._owns_group = owns_group
         self._micro_steps: dict[int, int] = {}
         self._stop = StopFlag()
+        self._graphs = False  # setup(graphs=True): models wrapped for s.graph
+        self._graph_steps: list[weakref.ref[Any]] = []
         self._precision = precision or Precision(device)
         atexit.register(self.close)
 
@@ -122,9 +125,10 @@ class Session:
             if self.device.type == "cuda":
                 ddp_kwargs.setdefault("device_ids", [self.device.index])
                 ddp_kwargs.setdefault("output_device", self.device.index)
-            if self.device.type == "cuda":
-                # built on a side stream, as a CUDA graph of the step needs (s.graph); the
-                # same for eager steps
+            if self.device.type == "cuda" and self._graphs:
+                # built on a side stream, as a CUDA graph of the step needs (s.graph; the
+                # capture fails without it). Only then: eager steps on the default stream
+                # would make autograd warn about the streams not matching.
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -220,7 +224,7 @@ class Session:
         On the CPU or gloo the step runs eagerly."""
         models = [model] if isinstance(model, nn.Module) else list(model)
         optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
-        return capture(
+        graphed = capture(
             step,
             inputs,
             optimizers,
@@ -230,6 +234,8 @@ class Session:
             self.world_size,
             warmup,
         )
+        self._graph_steps.append(weakref.ref(graphed))
+        return graphed
 
     # -- precision -----------------------------------------------------------------------
 
@@ -325,16 +331,29 @@ class Session:
         """Destroy the process group this session created (safe to call twice). After a
         failure the peers are not expected at a barrier, so gloo is not drained."""
         failed = failed or getattr(sys, "last_value", None) is not None  # uncaught error
+        graphed = self._release_graphs()
         if self._owns_group and dist.is_initialized():
             if self.backend == "gloo" and self.world_size > 1 and not failed:
                 joining.drain_gloo()
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if failed and self.backend == "nccl" and self.world_size > 1 and abort is not None:
+            # destroy waits for NCCL work that peers will never finish, and for communicators
+            # a CUDA graph captured (measured: it never returned): abort does not
+            ends_hard = failed or graphed
+            if ends_hard and self.backend == "nccl" and self.world_size > 1 and abort is not None:
                 # destroy waits for NCCL work that peers will never finish; abort does not
                 abort()
             else:
                 dist.destroy_process_group()
         self._owns_group = False
+
+    def _release_graphs(self) -> bool:
+        """Free every graph s.graph captured (they hold NCCL work); True if there were any."""
+        steps = [ref() for ref in self._graph_steps]
+        self._graph_steps = []
+        for step in steps:
+            if step is not None:
+                step.release()
+        return any(step is not None for step in steps)
 
     def __enter__(self) -> Session:
         return self
@@ -396,4 +415,6 @@ def setup(
     dist.init_process_group(
         backend, store=store, rank=env.rank, world_size=env.world_size, **kwargs
     )
-    return Session(env, backend, device, seed_value, True, amp)
+    session = Session(env, backend, device, seed_value, True, amp)
+    session._graphs = graphs
+    return session

@@ -59,13 +59,13 @@ def _op(entry: dict[str, Any]) -> str:
 def _completed(entry: dict[str, Any], status: dict[str, Any]) -> bool:
     """Whether a recorded collective has finished. gloo leaves every entry "scheduled" and
     keeps the truth in the process groups' status; NCCL updates the entries."""
+    if entry.get("state") == "completed":  # NCCL marks its entries
+        return True
     group = entry.get("process_group")
     seqs = status.get(str(group[0] if isinstance(group, list | tuple) else group))
-    if seqs is not None:
-        return int(entry.get("collective_seq_id", -1)) <= int(
-            seqs.get("last_completed_collective", -1)
-        )
-    return entry.get("state") == "completed"
+    return seqs is not None and int(entry.get("collective_seq_id", -1)) <= int(
+        seqs.get("last_completed_collective", -1)
+    )
 
 
 def summarize(dump: Any, last: int = 3) -> list[str]:

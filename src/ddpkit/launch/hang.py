@@ -274,7 +274,7 @@ def verdict(places: dict[int, tuple[str, str]], hosts: dict[int, str] | None = N
     parts = []
     for (what, site), ranks in ordered:
         who = f"rank{'s' if len(ranks) > 1 else ''} {_on_hosts(ranks, shown)}"
-        verb = what if len(ranks) > 1 else _singular(what)
+        verb = re.sub(r"^is\b", "are", what) if len(ranks) > 1 else _singular(what)
         parts.append(f"{who} {verb}" + (f" ({site})" if site else ""))
     return "; ".join(parts)
 

@@ -4,6 +4,7 @@ exact floats, for the GPU tests to compare. Cases: plain AdamW, a StepLR schedul
 autocast with clipping, gradient accumulation inside one graphed step, SGD fused."""
 
 import contextlib
+import hashlib
 import os
 import sys
 
@@ -38,10 +39,13 @@ def batches(s, n, micro=1):
 
 def run(s, case, graphed):
     model = build(s)
+    # the same optimizer for both runs: state and learning rate on the GPU, as graphs need
     if case == "sgd_fused":
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+        lr = torch.tensor(0.05, device=s.device)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, fused=True)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+        lr = torch.tensor(1e-3, device=s.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, foreach=True)
     sched = (
         torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.3)
         if case in ("step_lr", "sgd_fused")
@@ -79,11 +83,18 @@ def run(s, case, graphed):
         losses.append(float(call(x, y)))
         if sched is not None:
             sched.step()
-    return losses
+    weights = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+    return losses, hashlib.sha256(weights.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 with ddpkit.setup(graphs=True, precision="bf16") as s:
     for case in sys.argv[1:] or ["plain", "step_lr", "bf16_clip", "accumulate", "sgd_fused"]:
-        eager = run(s, case, graphed=False)
-        graphed = run(s, case, graphed=True)
+        eager, eager_w = run(s, case, graphed=False)
+        again, again_w = run(s, case, graphed=False)
+        graphed, graphed_w = run(s, case, graphed=True)
         print(f"case {case} rank {s.rank} eager={eager!r} graphed={graphed!r}", flush=True)
+        print(
+            f"weights {case} rank {s.rank} eager={eager_w} again={again_w} graphed={graphed_w} "
+            f"eager_repeats={eager == again}",
+            flush=True,
+        )
