@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from ddpkit.launch.subjob import run_job
 
 CANDIDATES = {
     "gradient_as_bucket_view": {"gradient_as_bucket_view": True},
@@ -44,31 +44,16 @@ def main() -> None:
             "extra_ddp": CANDIDATES,
             "frameworks": ["accelerate", "fabric"],
         }
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ddpkit",
-                "run",
-                "-n",
-                str(n),
-                "--ranks",
-                "0",
-                "--hang-timeout",
-                "0",
-                "-m",
-                "ddpkit.bench.ddp_worker",
-                json.dumps(cfg),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=560,
-        )
-        line = next((x for x in run.stdout.splitlines() if "DDPKIT_DDP_BENCH " in x), None)
-        if line is None:
-            print(f"{n} rank(s): failed\n{run.stdout[-1500:]}\n{run.stderr[-1500:]}")
+        job = run_job(
+            ["-n", str(n), "--ranks", "0", "--hang-timeout", "0", "-m",
+             "ddpkit.bench.ddp_worker", json.dumps(cfg)],
+            "DDPKIT_DDP_BENCH",
+            560,
+        )  # fmt: skip
+        if not job.ok or job.result is None:
+            print(f"{n} rank(s): failed\n{job.output}")
             continue
-        row = json.loads(line.split("DDPKIT_DDP_BENCH ", 1)[1])
+        row = job.result
         results.append(row)
         print(
             f"\n{n} rank(s), {args.model}, batch {args.batch}/rank, bf16: raw DDP "

@@ -42,7 +42,7 @@ from ddpkit.bench.busy import is_kernel, union_us
 from ddpkit.bench.models import resolve
 
 
-def _no_comm_hook(state, bucket):  # noqa: ANN001 (DDP checks the annotations: none given)
+def _no_comm_hook(state, bucket):
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.multinode.cluster import Cluster  # noqa: E402
+from tests.multinode.cluster import Cluster
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "multinode" / "scripts" / "multinode.py"
 

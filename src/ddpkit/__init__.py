@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ddpkit._version import __version__
 from ddpkit.errors import DdpkitError
 
-if TYPE_CHECKING:  # noqa: SIM108 - for type checkers and IDEs only
+if TYPE_CHECKING:
     from ddpkit.env import DistEnv, read_env  # noqa: F401
     from ddpkit.seeding import seed_everything  # noqa: F401
     from ddpkit.session import Session, Step, setup  # noqa: F401

@@ -40,10 +40,6 @@ class DistEnv:
     launcher: Launcher = "none"
 
     @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
     def nnodes(self) -> int:
         return max(1, self.world_size // max(1, self.local_world_size))
 

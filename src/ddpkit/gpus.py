@@ -4,22 +4,41 @@ filtered by CUDA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import debug_note
 
 
-def physical_gpu_count() -> int:
+@contextlib.contextmanager
+def nvml() -> Iterator[Any]:
+    """pynvml, initialised for the block and shut down after it; None without NVML (not
+    installed, no driver). Errors inside the block are the caller's."""
     try:
         import pynvml  # nvidia-ml-py, optional
 
         pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
+    except Exception as err:
+        debug_note("nvml", err)
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-    except Exception:
-        proc = Path("/proc/driver/nvidia/gpus")
-        return len(list(proc.iterdir())) if proc.is_dir() else 0
+
+
+def physical_gpu_count() -> int:
+    with nvml() as pynvml:
+        if pynvml is not None:
+            with contextlib.suppress(Exception):
+                return int(pynvml.nvmlDeviceGetCount())
+    proc = Path("/proc/driver/nvidia/gpus")
+    return len(list(proc.iterdir())) if proc.is_dir() else 0
 
 
 def visible_gpu_count(environ: dict[str, str] | None = None) -> int:
@@ -54,32 +73,30 @@ PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 def link_peak(index: int) -> dict[str, object] | None:
     """The one-way peak of GPU `index`'s links to its peers, from NVML: active NVLinks times
     the per-link rate of their version, else its PCIe link. None without NVML."""
-    try:
-        import pynvml
+    with nvml() as pynvml:
+        if pynvml is None:
+            return None
+        try:
+            return _peak(pynvml, index)
+        except Exception as err:
+            debug_note("nvml link peak", err)
+            return None
 
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        links, version = 0, 0
-        for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-            try:
-                if pynvml.nvmlDeviceGetNvLinkState(handle, link):
-                    links += 1
-                    version = max(version, pynvml.nvmlDeviceGetNvLinkVersion(handle, link))
-            except pynvml.NVMLError:
-                break
-        if links:
-            generation, per_link = NVLINK.get(version, (f"?{version}", 25.0))
-            return {"gbps": links * per_link, "link": f"NVLink{generation} x{links}"}
-        gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
-        width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
-        return {
-            "gbps": round(PCIE_LANE_GBPS.get(gen, 1.0) * width, 1),
-            "link": f"PCIe gen{gen} x{width}",
-        }
-    except Exception:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+
+def _peak(pynvml: Any, index: int) -> dict[str, object]:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    links, version = 0, 0
+    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                links += 1
+                version = max(version, pynvml.nvmlDeviceGetNvLinkVersion(handle, link))
+        except pynvml.NVMLError:
+            break
+    if links:
+        generation, per_link = NVLINK.get(version, (f"?{version}", 25.0))
+        return {"gbps": links * per_link, "link": f"NVLink{generation} x{links}"}
+    gen = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
+    width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
+    gbps = round(PCIE_LANE_GBPS.get(gen, 1.0) * width, 1)
+    return {"gbps": gbps, "link": f"PCIe gen{gen} x{width}"}

@@ -80,17 +80,20 @@ class SeededDataset(Dataset):
     def __getitem__(self, key: Any) -> Any:
         epoch, index = key
         sample_seed = _mix(self.seed, epoch, index)
+        if torch.utils.data.get_worker_info() is not None:
+            # a DataLoader worker: nothing else draws from its generators, no need to put back
+            _seed_all(sample_seed)
+            return self.dataset[index]
+        torch_state = torch.get_rng_state()
         py_state = random.getstate()
         np_state = _numpy_state()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed)
-            random.seed(sample_seed)
-            _numpy_seed(sample_seed)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(py_state)
-                _numpy_restore(np_state)
+        _seed_all(sample_seed)
+        try:
+            return self.dataset[index]
+        finally:
+            torch.set_rng_state(torch_state)
+            random.setstate(py_state)
+            _numpy_restore(np_state)
 
     def __getattr__(self, name: str) -> Any:  # the user's dataset's own attributes
         if name == "dataset":
@@ -155,7 +158,7 @@ def make_loader(
     world_size: int,
     seed: int,
     shuffle: bool = True,
-    eval: bool = False,  # noqa: A002 - the public API's word
+    eval: bool = False,
     to_device: torch.device | None = None,
     seeded: bool = True,
     **kwargs: Any,
@@ -198,6 +201,12 @@ def _to(batch: Any, device: torch.device) -> Any:
         moved = [_to(v, device) for v in batch]
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
     return batch
+
+
+def _seed_all(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)  # the CPU generator (torch.manual_seed: 100x)
+    random.seed(seed)
+    _numpy_seed(seed)
 
 
 def _mix(*parts: int) -> int:

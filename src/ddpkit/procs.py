@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from ddpkit import protocol
+from ddpkit.errors import debug_note
 
 LAUNCHER_WORDS = (
     "ddpkit run",
@@ -135,23 +136,20 @@ def _listening_ports(proc: psutil.Process) -> list[int]:
 
 
 def _gpu_memory_by_pid() -> dict[int, int]:
-    try:
-        import pynvml
+    from ddpkit.gpus import nvml
 
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
     used: dict[int, int] = {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                mib = (p.usedGpuMemory or 0) // 2**20
-                used[p.pid] = used.get(p.pid, 0) + mib
-    except Exception:
-        pass
-    finally:
-        pynvml.nvmlShutdown()
+    with nvml() as pynvml:
+        if pynvml is None:
+            return used
+        try:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    mib = (p.usedGpuMemory or 0) // 2**20
+                    used[p.pid] = used.get(p.pid, 0) + mib
+        except Exception as err:  # a partial answer is still worth showing
+            debug_note("GPU memory per process", err)
     return used
 
 

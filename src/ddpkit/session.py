@@ -169,7 +169,7 @@ class Session:
         dataset: Any,
         batch_size: int,
         shuffle: bool = True,
-        eval: bool = False,  # noqa: A002
+        eval: bool = False,
         to_device: bool = False,
         seeded: bool = True,
         **dataloader_kwargs: Any,

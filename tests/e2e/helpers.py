@@ -17,6 +17,13 @@ import psutil
 from ddpkit.procs import is_alive, processes_of_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
+# every wall-clock bound in the tests is scaled by this (a slower machine: DDPKIT_TEST_SLOW=2)
+SLOW = float(os.environ.get("DDPKIT_TEST_SLOW", "1"))
+
+
+def bound(seconds: float) -> float:
+    """A time limit a test asserts, scaled for the machine it runs on."""
+    return seconds * SLOW
 
 
 @dataclass

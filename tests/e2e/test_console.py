@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.e2e import terminal
-from tests.e2e.helpers import SCRIPTS, start
+from tests.e2e.helpers import SCRIPTS, bound, start
 
 pytestmark = pytest.mark.timeout(120)
 DDPKIT = [sys.executable, "-m", "ddpkit"]
@@ -38,7 +38,7 @@ def test_output_into_a_pipe_that_closes_ends_the_job_within_seconds(tmp_path):
         f"{SCRIPTS / 'chatty.py'} 10000000 | head -3; echo rc=${{PIPESTATUS[0]}} >&2",
         tmp_path,
     )
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < bound(30)
     assert len(out.stdout.splitlines()) == 3
     assert "rc=1" in out.stderr, out.stderr
     assert "the console's output was closed" in out.stderr
@@ -104,7 +104,7 @@ def test_a_line_without_end_costs_linear_time_and_bounded_memory(tmp_path):
             break
         time.sleep(0.05)
     assert job.finish(60) == 0
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < bound(30)
     assert peak < 400 * 2**20, f"launcher used {peak / 2**20:.0f} MiB"
     assert next((tmp_path / "logs").glob("*/rank0.log")).stat().st_size == size
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import SCRIPTS, gone_within, start
+from tests.e2e.helpers import SCRIPTS, bound, gone_within, start
 
 pytestmark = pytest.mark.timeout(120)
 HANG_TIMEOUT = 3
@@ -49,7 +49,7 @@ def test_a_rank_sleeping_before_a_collective_is_named(tmp_path):
     assert code == HANG_EXIT
     assert f"ranks 0,2 wait in all_reduce ({at('sleep-collective')})" in verdict
     assert f"rank 1 is elsewhere: stuck_here ({at('stuck-here')})" in verdict
-    assert took < HANG_TIMEOUT + 10
+    assert took < bound(HANG_TIMEOUT + 10)
 
 
 @pytest.mark.parametrize("folder", ["ddpkit", "torch"])
@@ -68,7 +68,7 @@ def test_a_collective_called_only_on_rank_0_is_named(tmp_path):
     assert code == HANG_EXIT
     assert f"rank 0 waits in all_reduce ({at('rank-0-only')})" in verdict
     assert f"rank 1 waits in barrier ({at('others-barrier')})" in verdict
-    assert took < HANG_TIMEOUT + 10
+    assert took < bound(HANG_TIMEOUT + 10)
 
 
 def test_a_barrier_skipped_by_one_rank_is_named(tmp_path):
@@ -76,7 +76,7 @@ def test_a_barrier_skipped_by_one_rank_is_named(tmp_path):
     assert code == HANG_EXIT
     assert f"ranks 0,2 wait in barrier ({at('skipped-barrier')})" in verdict
     assert f"rank 1 is elsewhere: stuck_here ({at('stuck-here')})" in verdict
-    assert took < HANG_TIMEOUT + 10
+    assert took < bound(HANG_TIMEOUT + 10)
 
 
 def test_a_rank_stuck_in_a_dataloader_worker_is_named(tmp_path):
@@ -84,7 +84,7 @@ def test_a_rank_stuck_in_a_dataloader_worker_is_named(tmp_path):
     assert code == HANG_EXIT
     assert f"rank 0 waits in all_reduce ({at('loader-collective')})" in verdict
     assert f"rank 1 waits for a DataLoader batch ({at('loader-loop')})" in verdict
-    assert took < HANG_TIMEOUT + 10
+    assert took < bound(HANG_TIMEOUT + 10)
 
 
 def test_mismatched_shapes_name_each_ranks_call(tmp_path):
@@ -95,7 +95,7 @@ def test_mismatched_shapes_name_each_ranks_call(tmp_path):
         f"collectives differ across ranks: rank 0 called all_reduce with shape [4] ({site}); "
         f"rank 1 called all_reduce with shape [5] ({site})"
     ) in verdict
-    assert took < HANG_TIMEOUT + 10
+    assert took < bound(HANG_TIMEOUT + 10)
 
 
 def test_check_collectives_names_the_first_divergence(tmp_path):
@@ -129,15 +129,11 @@ def test_a_long_computation_is_not_a_hang(tmp_path):
 
 
 def test_hang_timeout_zero_turns_the_doctor_off(tmp_path):
-    job = start(
-        ["-n", "2", "--hang-timeout", "0", "--grace", "1", str(SCRIPTS / "hangs.py"), "sleep"],
-        tmp_path,
-    )
-    job.wait_for("stall")
-    time.sleep(HANG_TIMEOUT + 3)
-    assert job.proc.poll() is None
-    job.proc.terminate()
-    gone_within(job, 15)
+    idle = str(HANG_TIMEOUT * 3)  # every rank idle three timeouts long, then done
+    job = start(["-n", "2", "--hang-timeout", "0", str(SCRIPTS / "hangs.py"), "idle", idle],
+                tmp_path)  # fmt: skip
+    assert job.finish(60) == 0, job.stderr
+    assert job.stdout.count("finished") == 2
 
 
 def test_stacks_shows_every_rank_of_a_running_job_without_stopping_it(tmp_path):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import SCRIPTS, gone_within, start
+from tests.e2e.helpers import SCRIPTS, bound, gone_within, start
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,7 @@ def test_ctrl_c_or_sigterm_in_any_phase_stops_everything_within_grace(tmp_path, 
     job.proc.send_signal(sig)
     took = gone_within(job, grace + 10)
     assert job.proc.returncode == 128 + sig
-    assert took < grace + 2, f"took {took:.1f} s"
+    assert took < bound(grace + 2), f"took {took:.1f} s"
 
 
 def test_a_second_ctrl_c_kills_at_once(tmp_path):
@@ -62,7 +62,7 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path):
     time.sleep(0.5)
     job.proc.send_signal(signal.SIGINT)
     took = gone_within(job, 20)
-    assert took < 5, f"took {took:.1f} s with a 60 s grace"
+    assert took < bound(5), f"took {took:.1f} s with a 60 s grace"
 
 
 def test_a_sigkilled_launcher_leaves_no_worker_child_or_loader_process(tmp_path):
@@ -73,7 +73,7 @@ def test_a_sigkilled_launcher_leaves_no_worker_child_or_loader_process(tmp_path)
     assert len(pids) >= 2 * 5, "expected rank, 2 children, 2 loader workers per rank"
     os.kill(job.proc.pid, signal.SIGKILL)
     took = gone_within(job, 15, extra_pids=pids)
-    assert took < 5, f"took {took:.1f} s"
+    assert took < bound(5), f"took {took:.1f} s"
 
 
 def test_a_rank_that_never_reaches_init_is_named(tmp_path):
@@ -85,7 +85,7 @@ def test_a_rank_that_never_reaches_init_is_named(tmp_path):
     assert job.finish(60) == 1
     assert "rank 1 never reached init_process_group" in job.stderr
     assert "rank 0,2 waited" in job.stderr
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < bound(30)
     assert not job.survivors()
 
 
@@ -109,7 +109,9 @@ def test_a_privileged_port_gets_a_warning_with_the_fix(tmp_path):
     job = start(
         ["-n", "1", "--master-port", "1010", str(SCRIPTS / "env_dump.py"), str(tmp_path)], tmp_path
     )
-    job.finish()
+    code = job.finish()
+    # root may bind it, and the job runs after the warning; anyone else gets the clear error
+    assert code == 0 if os.geteuid() == 0 else code == 1, job.stderr
     assert "privileged port" in job.stderr
     assert "above 1024" in job.stderr
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.procs import is_alive, processes_of_job
+from tests.e2e.helpers import bound
 from tests.multinode.cluster import Cluster, Proc, available
 
 pytestmark = [
@@ -131,12 +132,13 @@ def _running(cluster: Cluster, tmp_path: Path, nodes: int = 2) -> list[Proc]:
     return procs
 
 
-def _stopped_within(procs: list[Proc], bound: float) -> float:
+def _stopped_within(procs: list[Proc], seconds: float) -> float:
+    limit = bound(seconds)
     began = time.monotonic()
     for p in procs:
-        p.finish(bound + 30)
+        p.finish(limit + 30)
     took = time.monotonic() - began
-    assert took < bound, f"took {took:.1f} s, bound {bound} s"
+    assert took < limit, f"took {took:.1f} s, bound {limit} s"
     return took
 
 

@@ -4,6 +4,7 @@ node stops the job. Skipped with the reason where SLURM or namespaces are missin
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -94,4 +95,25 @@ def test_a_lost_node_under_slurm_stops_the_job(cluster, tmp_path):
     node1.send_signal(signal.SIGKILL)
     assert step.finish(60) != 0
     assert "node 1 (node1) is gone" in step.stderr
+    assert_nothing_left()
+
+
+def test_a_preempted_job_saves_on_usr1_and_the_next_step_resumes(cluster, tmp_path):
+    """The SLURM recipe (docs/api.md): `#SBATCH --signal=USR1@90` sends SIGUSR1 before the
+    end; the script saves on s.stop_requested and leaves; the requeued job resumes."""
+    from tests.e2e.helpers import SCRIPTS
+
+    script = [str(SCRIPTS / "resumable.py"), str(tmp_path / "state")]
+    args = ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "1", *script]
+    step = cluster.srun([*args, "--sleep", "0.1"], tmp_path)
+    step.wait_for("epoch 1 step", timeout=120)
+    (job,) = cluster.jobs()
+    cluster.scancel("--signal=USR1", job)
+    step.finish(60)
+    stopped = re.search(r"stopped at step (\d+), state saved", step.stdout)
+    assert stopped, step.stdout + step.stderr
+    again = cluster.srun(args, tmp_path)
+    assert again.finish(120) == 0, again.stderr
+    assert f"resumed at step {stopped.group(1)}" in again.stdout
+    assert "finished" in again.stdout
     assert_nothing_left()

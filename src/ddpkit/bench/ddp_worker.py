@@ -4,7 +4,9 @@ machine noise hits both alike), plus steps under `no_sync` for the exposed commu
 Rank 0 prints one `DDPKIT_DDP_BENCH {json}` line.
 
 `python -m ddpkit.bench.ddp_worker CONFIG_JSON` (started by `ddpkit bench ddp` through the
-launcher)."""
+launcher). CONFIG_JSON: model, batch, steps, warmup, precision, compile, frameworks, graphs,
+and `extra_ddp` ({name: DDP keyword arguments}: more hand-written DDP variants, timed with
+the others; benchmarks/ddp_defaults.py uses it)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def main(config_json: str) -> int:
                 copy.deepcopy(pristine).to(s.device), device_ids=device_ids, **kwargs
             )
 
-        models = {"wrap": s.wrap(model, **cfg.get("ddp_kwargs", {})), "raw": raw_ddp()}
+        models = {"wrap": s.wrap(model), "raw": raw_ddp()}
         for name, kwargs in cfg.get("extra_ddp", {}).items():
             models[name] = raw_ddp(**kwargs)
         if cfg["compile"]:

@@ -7,6 +7,7 @@ otherwise; a machine without GPUs simply has none.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -15,6 +16,8 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ddpkit.errors import debug_note
 
 WATCHED_PREFIXES = (
     "NCCL_",
@@ -75,7 +78,7 @@ class Facts:
         return asdict(self)
 
 
-def gather(environ: dict[str, str] | None = None, with_torch: bool = True) -> Facts:
+def gather(environ: dict[str, str] | None = None) -> Facts:
     env = dict(os.environ if environ is None else environ)
     facts = Facts(
         os=_os_name(),
@@ -91,8 +94,7 @@ def gather(environ: dict[str, str] | None = None, with_torch: bool = True) -> Fa
         interfaces=interfaces(),
     )
     _nvml(facts)
-    if with_torch:
-        _torch(facts)
+    _torch(facts)
     return facts
 
 
@@ -143,43 +145,44 @@ def _os_name() -> str:
 
 
 def _nvml(facts: Facts) -> None:
-    try:
-        import pynvml
+    from ddpkit.gpus import NVLINK, nvml
 
-        pynvml.nvmlInit()
-    except Exception:
-        return
-    try:
-        facts.driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        version = pynvml.nvmlSystemGetCudaDriverVersion()
-        facts.driver_cuda = f"{version // 1000}.{version % 1000 // 10}"
-        from ddpkit.gpus import NVLINK
+    with nvml() as pynvml:
+        if pynvml is None:
+            return
+        try:
+            facts.driver = _text(pynvml.nvmlSystemGetDriverVersion())
+            version = pynvml.nvmlSystemGetCudaDriverVersion()
+            facts.driver_cuda = f"{version // 1000}.{version % 1000 // 10}"
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                facts.gpus.append(_gpu(pynvml, i, NVLINK))
+        except Exception as err:  # the report goes on with what NVML did say
+            debug_note("doctor NVML facts", err)
+    _topology(facts)
 
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            gpu = Gpu(
-                i,
-                _text(pynvml.nvmlDeviceGetName(h)),
-                pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20,
-                _text(pynvml.nvmlDeviceGetPciInfo(h).busId),
-            )
-            try:
-                gpu.processes = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
-            except pynvml.NVMLError:
-                pass
-            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-                try:
-                    if pynvml.nvmlDeviceGetNvLinkState(h, link):
-                        gpu.nvlinks_active += 1
-                        enum = pynvml.nvmlDeviceGetNvLinkVersion(h, link)
-                        gpu.nvlink_version = NVLINK.get(enum, (str(enum), 0))[0]
-                except pynvml.NVMLError:
-                    break
-            facts.gpus.append(gpu)
-    except Exception:
-        pass
-    finally:
-        pynvml.nvmlShutdown()
+
+def _gpu(pynvml: Any, i: int, nvlink: dict[int, tuple[str, float]]) -> Gpu:
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    gpu = Gpu(
+        i,
+        _text(pynvml.nvmlDeviceGetName(h)),
+        pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20,
+        _text(pynvml.nvmlDeviceGetPciInfo(h).busId),
+    )
+    with contextlib.suppress(pynvml.NVMLError):
+        gpu.processes = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(h, link):
+                gpu.nvlinks_active += 1
+                enum = pynvml.nvmlDeviceGetNvLinkVersion(h, link)
+                gpu.nvlink_version = nvlink.get(enum, (str(enum), 0))[0]
+        except pynvml.NVMLError:
+            break
+    return gpu
+
+
+def _topology(facts: Facts) -> None:
     if shutil.which("nvidia-smi"):
         import subprocess
 

@@ -68,16 +68,13 @@ def node_facts(backend: str) -> dict[str, object]:
     nccl = None
     if backend == "nccl":
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    driver = None
-    try:
-        import pynvml
+    from ddpkit.gpus import nvml
 
-        pynvml.nvmlInit()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
-        pynvml.nvmlShutdown()
-    except Exception:
-        pass
+    driver = None
+    with nvml() as pynvml:
+        if pynvml is not None:
+            raw = pynvml.nvmlSystemGetDriverVersion()
+            driver = raw.decode() if isinstance(raw, bytes) else str(raw)
     variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
     return {
         "host": socket.gethostname(),

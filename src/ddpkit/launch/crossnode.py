@@ -61,7 +61,7 @@ def leave(node: NodeGroup, live: Liveness, wait: float) -> None:
 
 
 def _all_done(node: NodeGroup) -> bool:
-    assert node.store is not None  # noqa: S101 - several nodes
+    assert node.store is not None
     try:
         names = [f"done/{n}" for n in range(node.nnodes)]
         return all(node.store.counters(names))
@@ -117,7 +117,7 @@ def collect_places(
     text; a node that does not answer within PLACES_WAIT is named as such."""
     places, hosts = dict(own), dict.fromkeys(own, node.host_of(0))
     details = [f"  node 0 ({node.host_of(0)}):", own_details]
-    assert node.store is not None  # noqa: S101 - several nodes
+    assert node.store is not None
     deadline = time.monotonic() + PLACES_WAIT
     waiting = set(range(1, node.nnodes))
     answers: dict[int, dict] = {}

@@ -99,7 +99,7 @@ def join(cfg: LaunchConfig) -> NodeGroup:
 def join_rdzv(cfg: LaunchConfig, rendezvous: Any, kept: list[Any] | None = None) -> NodeGroup:
     """A round of torch elastic's c10d rendezvous; node 0 then serves the job's store and
     publishes where, in the rendezvous store, as torch elastic's bootstrap store info does."""
-    assert cfg.rdzv is not None  # noqa: S101 - checked by the caller
+    assert cfg.rdzv is not None
     if rendezvous is None:
         rendezvous = _rendezvous_handler(cfg)
     kept = [] if kept is None else kept
@@ -271,7 +271,7 @@ def _rendezvous_handler(cfg: LaunchConfig) -> Any:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    assert cfg.rdzv is not None  # noqa: S101 - checked by the caller
+    assert cfg.rdzv is not None
     settings = {"join_timeout": str(int(cfg.init_timeout)), **dict(cfg.rdzv_conf)}
     params = RendezvousParameters(
         backend="c10d",

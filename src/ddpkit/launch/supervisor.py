@@ -18,65 +18,30 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import psutil
-
-from ddpkit import procs, protocol
+from ddpkit import protocol
 from ddpkit.errors import debug_enabled
 from ddpkit.launch import crossnode, hang, report, rundir
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.hang import HANG_EXIT_CODE
 from ddpkit.launch.liveness import BEAT, Abort, Liveness
 from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup, join
-from ddpkit.launch.output import CONSOLE, RankOutput
+from ddpkit.launch.output import CONSOLE
+from ddpkit.launch.workers import (
+    FORWARDED,
+    QUIETED,
+    Signals,
+    Worker,
+    end_orphans,
+    start_worker,
+    stop_workers,
+    worker_env,
+)
 from ddpkit.ranges import ranks_text
 
 PR_SET_CHILD_SUBREAPER = 36
-QUIETED = "_DDPKIT_QUIETED_TORCH"  # the launcher set TORCH_CPP_LOG_LEVEL for itself only
 POLL = 0.05
-GRACEFUL_WAIT = 120.0  # seconds ranks that read s.stop_requested get to save after a signal
-
-
-@dataclass
-class Worker:
-    rank: int
-    proc: subprocess.Popen[bytes]
-    output: RankOutput
-    exit_code: int | None = None
-    ended_wall: float = 0.0
-    stopped: bool = False  # ended by the launcher's teardown, not by itself
-
-    @property
-    def pgid(self) -> int:
-        return self.proc.pid  # each worker leads its own session and group
-
-
-# Signals the launcher forwards to every worker before it stops the job (torchrun's
-# --signals-to-handle, with SIGINT for Ctrl+C): SLURM pre-emption sends SIGUSR1 or SIGTERM, a
-# closed ssh session SIGHUP.
-FORWARDED = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGQUIT,
-)
-
-
-@dataclass
-class Signals:
-    """The signals the launcher received (any of FORWARDED)."""
-
-    count: int = 0
-    last: int = 0
-
-    def handle(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        self.last = signum
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -173,7 +138,7 @@ def _run_attempt(
                 break
             rank = node.group_rank * cfg.nproc_per_node + local_rank
             env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
-            workers.append(_start_worker(cfg, rank, env, run_dir))
+            workers.append(start_worker(cfg, rank, env, run_dir))
             _tell_watchdog(watchdog, f"group {workers[-1].pgid}")
         node.serve_store(cfg.init_timeout)  # one node: the workers' connections wait till now
         outcome = _supervise(cfg, node, live, workers, state_dir, signals)
@@ -186,123 +151,12 @@ def _run_attempt(
             limit = 0.5 if signals.count else CALL_LIMIT
             crossnode.publish_abort(node, Abort(node.group_rank, why, others, restart), limit)
     finally:
-        _stop_workers(workers, cfg.grace, signals, node.run_id, state_dir)
+        stop_workers(workers, cfg.grace, signals, node.run_id, state_dir)
         for w in workers:
             w.output.close()
-        _end_orphans({w.proc.pid for w in workers}, watchdog.pid)
+        end_orphans({w.proc.pid for w in workers}, watchdog.pid)
     outcome.finalize(workers, run_dir, state_dir)
     return outcome
-
-
-def worker_env(
-    cfg: LaunchConfig,
-    node: NodeGroup,
-    rank: int,
-    local_rank: int,
-    attempt: int,
-    state_dir: Path,
-) -> dict[str, str]:
-    """The variables torchrun sets, plus ddpkit's own."""
-    world = cfg.nproc_per_node * node.nnodes
-    env = dict(os.environ)
-    if env.pop(QUIETED, None):
-        env.pop("TORCH_CPP_LOG_LEVEL", None)
-    env.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
-            "GROUP_RANK": str(node.group_rank),
-            "GROUP_WORLD_SIZE": str(node.nnodes),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(world),
-            "ROLE_NAME": cfg.torchrun.role,
-            "MASTER_ADDR": node.master_addr,
-            "MASTER_PORT": str(node.master_port),
-            "TORCHELASTIC_RUN_ID": node.run_id,
-            "TORCHELASTIC_RESTART_COUNT": str(attempt),
-            "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            protocol.JOB: node.run_id,
-            protocol.LAUNCHER_PID: str(os.getpid()),
-            protocol.STATE_DIR: str(state_dir),
-            # setup()'s own bound is looser, so the launcher's verdict (naming the missing rank)
-            # comes first.
-            protocol.INIT_TIMEOUT: str(cfg.init_timeout + 30),
-        }
-    )
-    if cfg.track and cfg.hang_timeout > 0:
-        # NCCL's flight recorder: the hang doctor's record of collectives in flight
-        if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
-            env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
-    if not cfg.track:
-        env[protocol.TRACK] = "0"
-    if cfg.check_collectives:
-        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    if cfg.omp_threads is not None:
-        env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
-    if cfg.backend == "gloo":
-        env[protocol.BACKEND] = "gloo"
-    env[protocol.FRAMED] = "1"
-    # torch's @record writes a failing rank's error here, as under torchrun
-    env["TORCHELASTIC_ERROR_FILE"] = str(protocol.state_path(state_dir, rank, protocol.TORCH_ERROR))
-    return env
-
-
-def _start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path) -> Worker:
-    args = list(cfg.args)
-    if cfg.torchrun.local_rank_arg:  # torch.distributed.launch put it first
-        args.insert(0, f"{cfg.torchrun.local_rank_arg}={env['LOCAL_RANK']}")
-    cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *args]
-    reads_stdin = stdin_rank(cfg) == rank
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdin=None if reads_stdin else subprocess.DEVNULL,  # None: the launcher's own
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,  # one pipe: the order the rank printed in
-        start_new_session=True,
-    )
-    local = int(env["LOCAL_RANK"])
-    output = RankOutput(
-        rank,
-        str(run_dir / f"rank{rank}.log"),
-        shown_streams(cfg, rank, local),
-        not cfg.raw_output,
-        reads_stdin=reads_stdin,
-    )
-    if proc.stdout is None:
-        raise RuntimeError("worker pipe missing")
-    output.start(proc.stdout)
-    return Worker(rank, proc, output)
-
-
-def shown_streams(cfg: LaunchConfig, rank: int, local_rank: int) -> frozenset[int]:
-    """Which of a rank's streams (1 stdout, 2 stderr) reach the console: --ranks,
-    --local-ranks-filter and --redirects decide; the log always gets both."""
-    if cfg.ranks is not None and rank not in cfg.ranks:
-        return frozenset()
-    local_filter = cfg.torchrun.local_ranks
-    if local_filter is not None and local_rank not in local_filter:
-        return frozenset()
-    hidden: frozenset[int] = frozenset()
-    for who, streams in cfg.torchrun.hidden:
-        if who in (-1, local_rank):
-            hidden = streams
-    return frozenset({1, 2}) - hidden
-
-
-def stdin_rank(cfg: LaunchConfig) -> int | None:
-    """The rank that reads the launcher's stdin (for breakpoint() and input()): --stdin N, or
-    rank 0 when stdin is a terminal (auto), or none."""
-    if cfg.stdin == "auto":
-        try:
-            return 0 if sys.stdin is not None and os.isatty(sys.stdin.fileno()) else None
-        except (OSError, ValueError):
-            return None
-    return None if cfg.stdin == "none" else int(cfg.stdin)
 
 
 def _supervise(
@@ -434,75 +288,10 @@ def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> 
     )
 
 
-def _stop_workers(
-    workers: list[Worker], grace: float, signals: Signals, run_id: str, state_dir: Path
-) -> None:
-    """Every worker's group and every process of the run: the signal the launcher got (a
-    forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
-    `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected."""
-    count_before = signals.count
-    first = signals.last if signals.count else signal.SIGTERM
-    alive = [w for w in workers if w.proc.poll() is None]
-    if (
-        signals.count
-        and alive
-        and all(protocol.state_path(state_dir, w.rank, protocol.GRACEFUL).exists() for w in alive)
-    ):
-        # every rank reads s.stop_requested: it saves its state before it leaves
-        grace = max(grace, GRACEFUL_WAIT)
-
-    def impatient() -> bool:  # a second Ctrl+C, or any during a teardown for another reason
-        return signals.count >= 2 or signals.count > count_before
-
-    groups = [w.pgid for w in alive]
-    if signals.count:
-        # a forwarded signal goes to each rank itself, as torchrun sends it: the rank decides
-        # (its DataLoader workers and children are its business until the grace is over)
-        leaders = [psutil.Process(w.proc.pid) for w in alive if _exists(w.proc.pid)]
-        procs.terminate(leaders, grace, first=first, impatient=impatient)
-        grace, first = 0.0, signal.SIGKILL
-    procs.terminate(
-        procs.processes_of_job(run_id, os.getpid()),
-        grace,
-        groups=groups,
-        first=first,
-        impatient=impatient,
-        again=lambda: procs.processes_of_job(run_id, os.getpid()),
-    )
-    for w in workers:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            w.proc.wait(timeout=5)
-        if w.exit_code is None:
-            w.exit_code, w.ended_wall, w.stopped = w.proc.returncode, time.time(), True
-
-
-def _exists(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _become_subreaper() -> None:
     """Orphans of our workers re-parent to the launcher (not init), so none escapes notice."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def _end_orphans(worker_pids: set[int], watchdog_pid: int) -> None:
-    """What the job left behind that re-parented to the launcher (a subreaper): a daemon that
-    double-forked and dropped its environment is found here, ended, and reaped."""
-    me = psutil.Process()
-    left = [p for p in me.children() if p.pid not in worker_pids and p.pid != watchdog_pid]
-    for orphan in list(left):
-        with contextlib.suppress(psutil.Error):
-            left += orphan.children(recursive=True)
-    if left:
-        procs.terminate(left, 1.0)
-    for child in me.children():
-        if child.pid != watchdog_pid:
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(child.pid, os.WNOHANG)
 
 
 def _start_watchdog(run_id: str, grace: float) -> subprocess.Popen[bytes]:
@@ -524,7 +313,7 @@ def _start_watchdog(run_id: str, grace: float) -> subprocess.Popen[bytes]:
 
 def _tell_watchdog(watchdog: subprocess.Popen[bytes], line: str) -> None:
     with contextlib.suppress(OSError):
-        assert watchdog.stdin is not None  # noqa: S101 - PIPE given
+        assert watchdog.stdin is not None
         watchdog.stdin.write(line.encode() + b"\n")
         watchdog.stdin.flush()
 
@@ -532,7 +321,7 @@ def _tell_watchdog(watchdog: subprocess.Popen[bytes], line: str) -> None:
 def _finish_watchdog(watchdog: subprocess.Popen[bytes]) -> None:
     _tell_watchdog(watchdog, "done")
     with contextlib.suppress(OSError):
-        assert watchdog.stdin is not None  # noqa: S101
+        assert watchdog.stdin is not None
         watchdog.stdin.close()
     try:
         watchdog.wait(timeout=5)

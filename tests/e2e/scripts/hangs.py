@@ -51,5 +51,9 @@ elif case == "compute":
             x = (x @ x).tanh()
     dist.all_reduce(torch.ones(1))
     print("finished", flush=True)
+elif case == "idle":
+    time.sleep(float(sys.argv[2]))
+    dist.all_reduce(torch.ones(1))
+    print("finished", flush=True)
 elif case == "shapes":
     dist.all_reduce(torch.ones(4 + rank))  # @shapes-collective

@@ -1,0 +1,241 @@
+"""A job's workers: the environment each gets, how each is started (one pipe for its output,
+the launcher's stdin for the rank that reads it), and how they are stopped (the signal the
+launcher got goes to each rank; then everything of the job is killed after the grace) and
+what they left behind is ended."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ddpkit import procs, protocol
+from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.nodes import NodeGroup
+from ddpkit.launch.output import RankOutput
+
+QUIETED = "_DDPKIT_QUIETED_TORCH"  # the launcher set TORCH_CPP_LOG_LEVEL for itself only
+GRACEFUL_WAIT = 120.0  # seconds ranks that read s.stop_requested get to save after a signal
+
+
+# Signals the launcher forwards to every worker before it stops the job (torchrun's
+# --signals-to-handle, with SIGINT for Ctrl+C): SLURM pre-emption sends SIGUSR1 or SIGTERM, a
+# closed ssh session SIGHUP.
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGQUIT,
+)
+
+
+@dataclass
+class Signals:
+    """The signals the launcher received (any of FORWARDED)."""
+
+    count: int = 0
+    last: int = 0
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        self.last = signum
+
+
+@dataclass
+class Worker:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    output: RankOutput
+    exit_code: int | None = None
+    ended_wall: float = 0.0
+    stopped: bool = False  # ended by the launcher's teardown, not by itself
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # each worker leads its own session and group
+
+
+def worker_env(
+    cfg: LaunchConfig,
+    node: NodeGroup,
+    rank: int,
+    local_rank: int,
+    attempt: int,
+    state_dir: Path,
+) -> dict[str, str]:
+    """The variables torchrun sets, plus ddpkit's own."""
+    world = cfg.nproc_per_node * node.nnodes
+    env = dict(os.environ)
+    if env.pop(QUIETED, None):
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+            "GROUP_RANK": str(node.group_rank),
+            "GROUP_WORLD_SIZE": str(node.nnodes),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world),
+            "ROLE_NAME": cfg.torchrun.role,
+            "MASTER_ADDR": node.master_addr,
+            "MASTER_PORT": str(node.master_port),
+            "TORCHELASTIC_RUN_ID": node.run_id,
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            protocol.JOB: node.run_id,
+            protocol.LAUNCHER_PID: str(os.getpid()),
+            protocol.STATE_DIR: str(state_dir),
+            # setup()'s own bound is looser, so the launcher's verdict (naming the missing rank)
+            # comes first.
+            protocol.INIT_TIMEOUT: str(cfg.init_timeout + 30),
+        }
+    )
+    if cfg.track and cfg.hang_timeout > 0:
+        # NCCL's flight recorder: the hang doctor's record of collectives in flight
+        if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+            env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
+    if not cfg.track:
+        env[protocol.TRACK] = "0"
+    if cfg.check_collectives:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if cfg.omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
+    if cfg.backend == "gloo":
+        env[protocol.BACKEND] = "gloo"
+    env[protocol.FRAMED] = "1"
+    # torch's @record writes a failing rank's error here, as under torchrun
+    env["TORCHELASTIC_ERROR_FILE"] = str(protocol.state_path(state_dir, rank, protocol.TORCH_ERROR))
+    return env
+
+
+def start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path) -> Worker:
+    args = list(cfg.args)
+    if cfg.torchrun.local_rank_arg:  # torch.distributed.launch put it first
+        args.insert(0, f"{cfg.torchrun.local_rank_arg}={env['LOCAL_RANK']}")
+    cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *args]
+    reads_stdin = stdin_rank(cfg) == rank
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=None if reads_stdin else subprocess.DEVNULL,  # None: the launcher's own
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one pipe: the order the rank printed in
+        start_new_session=True,
+    )
+    local = int(env["LOCAL_RANK"])
+    output = RankOutput(
+        rank,
+        str(run_dir / f"rank{rank}.log"),
+        shown_streams(cfg, rank, local),
+        not cfg.raw_output,
+        reads_stdin=reads_stdin,
+    )
+    if proc.stdout is None:
+        raise RuntimeError("worker pipe missing")
+    output.start(proc.stdout)
+    return Worker(rank, proc, output)
+
+
+def shown_streams(cfg: LaunchConfig, rank: int, local_rank: int) -> frozenset[int]:
+    """Which of a rank's streams (1 stdout, 2 stderr) reach the console: --ranks,
+    --local-ranks-filter and --redirects decide; the log always gets both."""
+    if cfg.ranks is not None and rank not in cfg.ranks:
+        return frozenset()
+    local_filter = cfg.torchrun.local_ranks
+    if local_filter is not None and local_rank not in local_filter:
+        return frozenset()
+    hidden: frozenset[int] = frozenset()
+    for who, streams in cfg.torchrun.hidden:
+        if who in (-1, local_rank):
+            hidden = streams
+    return frozenset({1, 2}) - hidden
+
+
+def stdin_rank(cfg: LaunchConfig) -> int | None:
+    """The rank that reads the launcher's stdin (for breakpoint() and input()): --stdin N, or
+    rank 0 when stdin is a terminal (auto), or none."""
+    if cfg.stdin == "auto":
+        try:
+            return 0 if sys.stdin is not None and os.isatty(sys.stdin.fileno()) else None
+        except (OSError, ValueError):
+            return None
+    return None if cfg.stdin == "none" else int(cfg.stdin)
+
+
+def stop_workers(
+    workers: list[Worker], grace: float, signals: Signals, run_id: str, state_dir: Path
+) -> None:
+    """Every worker's group and every process of the run: the signal the launcher got (a
+    forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
+    `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected."""
+    count_before = signals.count
+    first = signals.last if signals.count else signal.SIGTERM
+    alive = [w for w in workers if w.proc.poll() is None]
+    if (
+        signals.count
+        and alive
+        and all(protocol.state_path(state_dir, w.rank, protocol.GRACEFUL).exists() for w in alive)
+    ):
+        # every rank reads s.stop_requested: it saves its state before it leaves
+        grace = max(grace, GRACEFUL_WAIT)
+
+    def impatient() -> bool:  # a second Ctrl+C, or any during a teardown for another reason
+        return signals.count >= 2 or signals.count > count_before
+
+    groups = [w.pgid for w in alive]
+    if signals.count:
+        # a forwarded signal goes to each rank itself, as torchrun sends it: the rank decides
+        # (its DataLoader workers and children are its business until the grace is over)
+        leaders = [psutil.Process(w.proc.pid) for w in alive if _exists(w.proc.pid)]
+        procs.terminate(leaders, grace, first=first, impatient=impatient)
+        grace, first = 0.0, signal.SIGKILL
+    procs.terminate(
+        procs.processes_of_job(run_id, os.getpid()),
+        grace,
+        groups=groups,
+        first=first,
+        impatient=impatient,
+        again=lambda: procs.processes_of_job(run_id, os.getpid()),
+    )
+    for w in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(timeout=5)
+        if w.exit_code is None:
+            w.exit_code, w.ended_wall, w.stopped = w.proc.returncode, time.time(), True
+
+
+def _exists(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def end_orphans(worker_pids: set[int], watchdog_pid: int) -> None:
+    """What the job left behind that re-parented to the launcher (a subreaper): a daemon that
+    double-forked and dropped its environment is found here, ended, and reaped."""
+    me = psutil.Process()
+    left = [p for p in me.children() if p.pid not in worker_pids and p.pid != watchdog_pid]
+    for orphan in list(left):
+        with contextlib.suppress(psutil.Error):
+            left += orphan.children(recursive=True)
+    if left:
+        procs.terminate(left, 1.0)
+    for child in me.children():
+        if child.pid != watchdog_pid:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(child.pid, os.WNOHANG)

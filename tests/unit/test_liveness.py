@@ -1,0 +1,118 @@
+"""Node liveness decisions against a real TCPStore in this process: a node whose beats stop is
+named by node 0 and the other nodes read why; a node that loses the store names node 0; an
+abort record in the store reaches every node. The same decisions across network namespaces
+are in tests/multinode."""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ddpkit.launch.liveness import Abort, Liveness
+from ddpkit.launch.nodes import NodeGroup
+from ddpkit.launch.store import BoundedStore
+
+pytestmark = pytest.mark.timeout(60)
+TIMEOUT = 2.0
+HOSTS = ["alpha", "beta"]
+
+
+@pytest.fixture
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    for node in range(len(HOSTS)):  # as registration leaves them (ddpkit.launch.nodes)
+        for counter in ("beat", "progress", "done"):
+            store.add(f"job/{counter}/{node}", 0)
+    yield store
+    del store
+
+
+def _node(rank: int, port: int) -> NodeGroup:
+    return NodeGroup(
+        group_rank=rank,
+        nnodes=2,
+        master_addr="127.0.0.1",
+        master_port=port,
+        hosts=HOSTS,
+        store=BoundedStore("127.0.0.1", port, TIMEOUT, "job/"),
+    )
+
+
+def _until(check, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_nodes_that_beat_are_not_lost(server):
+    nodes = [Liveness(_node(r, server.port), TIMEOUT) for r in (0, 1)]
+    for n in nodes:
+        n.start()
+    time.sleep(TIMEOUT + 1.5)
+    for n in nodes:
+        n.stop()
+    assert [n.lost for n in nodes] == [None, None]
+    assert all(n.beats >= 3 for n in nodes)
+
+
+def test_a_node_whose_beats_stop_is_named_by_node_0_and_the_others_read_why(server):
+    first, second = (Liveness(_node(r, server.port), TIMEOUT) for r in (0, 1))
+    first.start()
+    second.start()
+    time.sleep(1.5)
+    second.stop()  # node 1's launcher is gone: no more beats
+    began = time.monotonic()
+    assert _until(lambda: first.lost is not None, TIMEOUT + 3)
+    assert time.monotonic() - began < TIMEOUT + 2.5
+    first.stop()
+    assert first.lost.startswith("node 1 (beta) is gone")
+    assert "--node-timeout 2" in first.lost
+    # what a node still running reads: the same words, from the store
+    reader = Liveness(_node(1, server.port), TIMEOUT)
+    reader.start()
+    assert _until(lambda: reader.abort is not None, 3)
+    reader.stop()
+    assert reader.abort == Abort(0, first.lost, 1, restart=False)
+
+
+def test_a_node_that_gets_no_answer_from_the_store_names_node_0():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: nothing answers there
+        watcher = Liveness(_node(1, port), TIMEOUT)
+        watcher.start()
+        assert _until(lambda: watcher.lost is not None, TIMEOUT + 6)
+        watcher.stop()
+    assert watcher.lost.startswith("node 0 (alpha) is gone: the job's store at 127.0.0.1:")
+    assert f"has not answered for {TIMEOUT:g} s" in watcher.lost
+
+
+def test_a_node_that_finished_is_not_lost_when_its_beats_stop(server):
+    first, second = (Liveness(_node(r, server.port), TIMEOUT) for r in (0, 1))
+    first.start()
+    second.start()
+    time.sleep(1.5)
+    second.stop()
+    BoundedStore("127.0.0.1", server.port, TIMEOUT, "job/").add("done/1", 1)
+    assert _until(first.all_done.is_set, 3)
+    time.sleep(TIMEOUT + 1)
+    first.stop()
+    assert first.lost is None
+
+
+def test_a_forged_abort_record_is_ignored(server, monkeypatch, capfd):
+    monkeypatch.setenv("DDPKIT_JOB_TOKEN", "s3cret")
+    forged = '{"abort": "{\\"node\\": 0, \\"why\\": \\"x\\", \\"code\\": 1, \\"restart\\": false}"}'
+    BoundedStore("127.0.0.1", server.port, TIMEOUT, "job/").set("abort", forged)
+    watcher = Liveness(_node(1, server.port), TIMEOUT)
+    watcher.start()
+    assert _until(lambda: "was not signed" in capfd.readouterr().err, 3)
+    watcher.stop()
+    assert watcher.abort is None
