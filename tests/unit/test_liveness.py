@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ddpkit.launch.liveness import Abort, Liveness
+from ddpkit.launch.liveness import BEAT, Abort, Liveness
 from ddpkit.launch.nodes import NodeGroup
 from ddpkit.launch.store import BoundedStore
 
@@ -42,6 +42,19 @@ def _node(rank: int, port: int) -> NodeGroup:
     )
 
 
+# node 0 has looked at the other nodes this many times after the node timeout had passed
+PAST_TIMEOUT = int(TIMEOUT / BEAT) + 2
+
+
+def _beating(*nodes: Liveness) -> None:
+    assert _until(lambda: all(n.beats >= 2 for n in nodes), 10), "the beat threads never ran"
+
+
+def _looked_past_timeout(node: Liveness) -> None:
+    start = node.beats
+    assert _until(lambda: node.beats >= start + PAST_TIMEOUT, PAST_TIMEOUT * BEAT + 5)
+
+
 def _until(check, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -55,18 +68,18 @@ def test_nodes_that_beat_are_not_lost(server):
     nodes = [Liveness(_node(r, server.port), TIMEOUT) for r in (0, 1)]
     for n in nodes:
         n.start()
-    time.sleep(TIMEOUT + 1.5)
+    _beating(*nodes)
+    _looked_past_timeout(nodes[0])
     for n in nodes:
         n.stop()
     assert [n.lost for n in nodes] == [None, None]
-    assert all(n.beats >= 3 for n in nodes)
 
 
 def test_a_node_whose_beats_stop_is_named_by_node_0_and_the_others_read_why(server):
     first, second = (Liveness(_node(r, server.port), TIMEOUT) for r in (0, 1))
     first.start()
     second.start()
-    time.sleep(1.5)
+    _beating(first, second)
     second.stop()  # node 1's launcher is gone: no more beats
     began = time.monotonic()
     assert _until(lambda: first.lost is not None, TIMEOUT + 3)
@@ -98,11 +111,11 @@ def test_a_node_that_finished_is_not_lost_when_its_beats_stop(server):
     first, second = (Liveness(_node(r, server.port), TIMEOUT) for r in (0, 1))
     first.start()
     second.start()
-    time.sleep(1.5)
+    _beating(first, second)
     second.stop()
     BoundedStore("127.0.0.1", server.port, TIMEOUT, "job/").add("done/1", 1)
     assert _until(first.all_done.is_set, 3)
-    time.sleep(TIMEOUT + 1)
+    _looked_past_timeout(first)
     first.stop()
     assert first.lost is None
 

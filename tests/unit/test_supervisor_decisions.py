@@ -1,0 +1,129 @@
+"""The launcher's decisions from the state files ranks write (real files in a real folder, in
+the formats of ddpkit.protocol): which rank is the root cause, who never reached init, which
+rank counts as failed while it is still tearing down, when a job starts again, and when a
+failure is another node's. The same decisions end to end are in tests/e2e."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ddpkit import protocol
+from ddpkit.launch import config, report, supervisor
+from ddpkit.launch.liveness import Abort, Liveness
+from ddpkit.launch.nodes import NodeGroup
+from ddpkit.launch.workers import Signals, Worker
+
+
+def worker(rank: int, exit_code: int | None = None, ended: float = 0.0) -> Worker:
+    # the decisions read rank, exit code and end time; no process is needed for them
+    return Worker(rank=rank, proc=None, output=None, exit_code=exit_code, ended_wall=ended)
+
+
+def error(state, rank: int, message: str, at: float, kind: str = "RuntimeError", code=None):
+    protocol.write_error(state, rank, protocol.ErrorRecord(at, kind, message, exit_code=code))
+
+
+def test_the_root_cause_is_the_first_error_that_is_not_a_lost_peer(tmp_path):
+    now = time.time()
+    error(tmp_path, 0, "Connection reset by peer", now - 2)  # earlier, but a victim's words
+    error(tmp_path, 1, "shapes differ", now - 1, kind="ValueError")
+    outcome = report.Outcome.rank_failed([worker(0, 1), worker(1, 1)], tmp_path)
+    assert outcome.root_rank == 1
+    assert outcome.summary.startswith("rank 1 ")
+    assert "(ValueError: shapes differ)" in outcome.summary
+    assert not outcome.victim
+
+
+def test_when_every_failed_rank_lost_a_peer_the_cause_may_be_elsewhere(tmp_path):
+    now = time.time()
+    error(tmp_path, 0, "Connection closed by peer", now - 1)
+    error(tmp_path, 1, "Connection reset by peer", now - 2)
+    outcome = report.Outcome.rank_failed([worker(0, 1), worker(1, 1)], tmp_path)
+    assert outcome.victim
+    assert outcome.root_rank == 1, "the earliest of the victims"
+
+
+def test_a_rank_without_an_error_record_is_placed_by_when_it_ended(tmp_path):
+    now = time.time()
+    outcome = report.Outcome.rank_failed(
+        [worker(0, -signal.SIGKILL, now - 1), worker(1, 3, now - 5)], tmp_path
+    )
+    assert outcome.root_rank == 1
+    assert outcome.exit_code == 3
+
+
+def test_ranks_that_never_reached_init_are_named_once_the_others_waited_the_timeout(tmp_path):
+    protocol.write_phase(tmp_path, 0, "init")
+    protocol.write_phase(tmp_path, 1, "started")
+    workers = [worker(0), worker(1), worker(2)]  # rank 2 wrote nothing yet
+    assert supervisor._missing_at_init(workers, tmp_path, timeout=60) is None
+    verdict = supervisor._missing_at_init(workers, tmp_path, timeout=0)
+    assert verdict.startswith("rank 1,2 never reached init_process_group; rank 0 waited")
+    assert verdict.endswith("(--init-timeout 0)")
+
+
+def test_no_init_verdict_while_no_rank_waits_in_init(tmp_path):
+    protocol.write_phase(tmp_path, 0, "ready")
+    protocol.write_phase(tmp_path, 1, "started")
+    assert supervisor._missing_at_init([worker(0), worker(1)], tmp_path, timeout=0) is None
+
+
+def test_a_rank_stuck_after_its_error_counts_as_failed_with_the_code_it_chose(tmp_path):
+    error(tmp_path, 0, "boom", time.time(), code=7)
+    error(tmp_path, 1, "boom", time.time())
+    fresh = protocol.state_path(tmp_path, 1, protocol.ERROR)
+    old = protocol.state_path(tmp_path, 0, protocol.ERROR)
+    written = time.time() - supervisor.ERROR_EXIT_WAIT - 1
+    os.utime(old, (written, written))
+    workers = [worker(0), worker(1), worker(2, exit_code=0)]
+    stuck = supervisor._errored(workers, tmp_path, time.time())
+    assert [w.rank for w in stuck] == [0], f"{fresh.name} was written just now"
+    assert workers[0].exit_code == 7
+
+
+@pytest.mark.parametrize(
+    ("max_restarts", "attempt", "signals", "restartable", "expected"),
+    [
+        (2, 0, 0, True, True),
+        (2, 2, 0, True, False),  # restarts used up
+        (2, 0, 1, True, False),  # the user stopped the job
+        (2, 0, 0, False, False),  # a lost node: nothing to start again with
+    ],
+)
+def test_a_job_starts_again_only_when_it_may(
+    max_restarts, attempt, signals, restartable, expected, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    cfg = config.build("script", "train.py", nproc_per_node="2", max_restarts=str(max_restarts))
+    outcome = report.Outcome(ok=False, exit_code=1, restartable=restartable)
+    assert supervisor._restarts(cfg, outcome, attempt, Signals(count=signals)) is expected
+
+
+def test_a_victim_node_reports_the_other_nodes_word_instead_of_its_own():
+    node = NodeGroup(group_rank=1, nnodes=2)
+    live = Liveness(node, timeout=1)  # not started: its findings are set as the thread would
+    live.abort = Abort(0, "rank 0 exited with code 3", 3, restart=False)
+    own = report.Outcome(ok=False, exit_code=1, summary="rank 2: Connection reset by peer")
+    outcome = supervisor._cause_elsewhere(own, node, live, Signals(), bound=1)
+    assert (outcome.summary, outcome.exit_code, outcome.from_node) == (live.abort.why, 3, 0)
+
+
+def test_a_victim_node_keeps_its_own_verdict_when_no_word_comes():
+    node = NodeGroup(group_rank=1, nnodes=2)
+    own = report.Outcome(ok=False, exit_code=1, summary="rank 2: Connection reset by peer")
+    outcome = supervisor._cause_elsewhere(own, node, Liveness(node, 1), Signals(), bound=0.2)
+    assert outcome is own
+
+
+def test_a_lost_node_is_reported_as_such():
+    node = NodeGroup(group_rank=1, nnodes=2)
+    live = Liveness(node, timeout=1)
+    live.lost = "node 0 (alpha) is gone"
+    own = report.Outcome(ok=False, exit_code=1, summary="rank 2: Connection reset by peer")
+    outcome = supervisor._cause_elsewhere(own, node, live, Signals(), bound=1)
+    assert (outcome.summary, outcome.restartable) == ("node 0 (alpha) is gone", False)
