@@ -91,9 +91,21 @@ def test_stderr_still_goes_to_stderr(tmp_path):
 
 def test_a_line_without_end_costs_linear_time_and_bounded_memory(tmp_path):
     size = 64 * 2**20
-    script = tmp_path / "long_line.py"
-    script.write_text(f"import sys\nsys.stdout.buffer.write(b'y' * {size})\n")
-    job = start(["-n", "1", str(script)], tmp_path)
+    line = _launcher_peak(tmp_path / "long", f"sys.stdout.buffer.write(b'y' * {size})")
+    # the same launcher printing one short line: torch's libraries, which the launcher loads
+    # to serve the job's store, weigh 200-600 MiB depending on the build
+    short = _launcher_peak(tmp_path / "short", "print('y')")
+    grew = (line - short) / 2**20
+    assert grew < 48, f"the launcher held {grew:.0f} MiB more for a 64 MiB line"
+    assert next((tmp_path / "long" / "logs").glob("*/rank0.log")).stat().st_size == size
+
+
+def _launcher_peak(folder: Path, code: str) -> int:
+    """The launcher's largest resident size while it runs a rank that executes `code`."""
+    folder.mkdir()
+    script = folder / "rank.py"
+    script.write_text(f"import sys, time\n{code}\ntime.sleep(1)\n")
+    job = start(["-n", "1", str(script)], folder)
     launcher = psutil.Process(job.proc.pid)
     peak = 0
     began = time.monotonic()
@@ -105,8 +117,7 @@ def test_a_line_without_end_costs_linear_time_and_bounded_memory(tmp_path):
         time.sleep(0.05)
     assert job.finish(60) == 0
     assert time.monotonic() - began < bound(30)
-    assert peak < 400 * 2**20, f"launcher used {peak / 2**20:.0f} MiB"
-    assert next((tmp_path / "logs").glob("*/rank0.log")).stat().st_size == size
+    return peak
 
 
 def test_a_full_log_disk_warns_once_and_the_console_goes_on(tmp_path):
