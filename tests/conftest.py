@@ -16,15 +16,23 @@ for leaked in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 def _descendants() -> list[psutil.Process]:
     procs = psutil.Process().children(recursive=True)
-    # multiprocessing's forkserver and resource tracker live for the whole session by design;
-    # the rank processes the forkserver forks do not
-    helpers = ("forkserver", "resource_tracker")
+    # multiprocessing's forkserver and resource tracker, and the compile-worker pool torch 2.4
+    # starts in a process that calls torch.compile, live for the whole session by design; the
+    # rank processes the forkserver forks do not
+    helpers = ("forkserver", "resource_tracker", "_inductor/compile_worker")
     return [
         p
         for p in procs
         if not any(h in " ".join(_cmdline(p)) for h in helpers)
-        and p.status() != psutil.STATUS_ZOMBIE
+        and _status(p) != psutil.STATUS_ZOMBIE
     ]
+
+
+def _status(p: psutil.Process) -> str:
+    try:
+        return p.status()
+    except psutil.Error:
+        return psutil.STATUS_DEAD
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
@@ -40,6 +48,8 @@ def no_process_left_behind():
     left = [p for p in _descendants() if p.is_running()]
     if left:
         gone, alive = psutil.wait_procs(left, timeout=3)
+        # one that ended while we waited and awaits its parent's wait() has not been left behind
+        alive = [p for p in alive if _status(p) != psutil.STATUS_ZOMBIE]
         for p in alive:
             p.kill()
         assert not alive, f"processes left behind: {[(p.pid, _cmdline(p)) for p in alive]}"

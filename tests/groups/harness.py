@@ -62,6 +62,8 @@ def _entry(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
+            # torch 2.4 reads it whenever the agent store is used, as every launcher sets it
+            "TORCHELASTIC_RESTART_COUNT": "0",
             "DDPKIT_BACKEND": "gloo",
             "OMP_NUM_THREADS": "1",
         }

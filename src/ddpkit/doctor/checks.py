@@ -278,7 +278,7 @@ def _port_busy(port: int) -> str | None:
             s.bind(("", port))
             return None
         except OSError:
-            return port_holder(port)
+            return port_holder(port)[0]
 
 
 SHM_MIN = 512 * 2**20

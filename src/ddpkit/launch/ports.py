@@ -4,8 +4,12 @@ the user's, checked, with the process that holds it named when it is busy."""
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
 
 from ddpkit.errors import LaunchError, debug_note
+
+if TYPE_CHECKING:
+    import psutil
 
 
 def listen(host: str, port: int = 0) -> socket.socket:
@@ -41,10 +45,23 @@ def port_holder(port: int) -> tuple[str, bool]:
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:
                 training = any(p.pid == conn.pid for p in list_training_processes())
-                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})", training
+                return f"pid {conn.pid} ({_described(psutil.Process(conn.pid))})", training
     except Exception as err:
         debug_note("ports", err)
     return "", False
+
+
+def _described(proc: psutil.Process) -> str:
+    """The holder as `ps` would show it: its command line, shortened (the process name alone
+    can be a thread's, e.g. torch names its main thread `pt_main_thread`)."""
+    try:
+        words = proc.cmdline()
+    except Exception:
+        words = []
+    if not words:
+        return proc.name()
+    text = " ".join([words[0].rsplit("/", 1)[-1], *words[1:]])
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def warn_privileged(port: int) -> str | None:
