@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from ddpkit.launch import flight
 from tests.groups.harness import run_ranks
 
 torch = pytest.importorskip("torch")
@@ -46,6 +47,15 @@ def test_the_recorder_read_is_the_one_holding_this_groups_collectives(tmp_path):
         assert len(full["entries"]) >= 7, f"torch {torch.__version__}: {sorted(full)}"
         ops = {str(e.get("profiling_name")) for e in full["entries"]}
         assert any("all_reduce" in op or "allreduce" in op for op in ops), ops
+
+
+@pytest.mark.skipif(GLOO_RECORDED, reason=f"torch {torch.__version__} records gloo's collectives")
+def test_without_a_gloo_recorder_the_dump_reads_as_no_progress_and_nothing_pending(tmp_path):
+    # torch 2.4: the watch must neither count this as progress nor place a rank in a collective
+    for _, full, state in run_ranks(_dumps, 2, tmp_path, env=RING):
+        assert full.get("entries", []) == []
+        assert state == (-1, None)
+        assert flight.pending(full) is None
 
 
 @needs_gloo_recorder
