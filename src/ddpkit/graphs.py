@@ -8,9 +8,11 @@ side stream (`s.wrap` does that on GPUs), NCCL's async error handling off before
 to None, then capture. The model's and optimizers' state before the warm-up is put back after
 the capture, so the graphed run starts where an eager one would (exactness: losses equal to the
 eager run's, bit for bit where the kernels are deterministic and the step draws no random
-numbers). Each call copies the new inputs into the captured ones, replays, waits for the
-device inside a progress record (so the hang watch names a replay that never ends), and
-returns the captured outputs (the same tensors every time: clone what you keep).
+numbers). Each call copies the new inputs into the captured ones, replays, and returns the
+captured outputs (the same tensors every time: clone what you keep) once the previous replay
+has ended: one replay stays in flight, as eager CUDA work would, and the wait for it is a
+progress record (so the hang watch names a replay that never ends, at the next call or at
+close). Reading an output on the host (`loss.item()`) waits for its replay, as in eager code.
 
 Boundaries: on the CPU or gloo there is nothing to capture: the step runs eagerly, with one
 warning. Inputs of another shape or dtype than at capture (a short last batch) are an error
@@ -79,6 +81,7 @@ class GraphedStep:
                 "shapes) out of the step, or run the step eagerly",
             ) from err
         torch.cuda.synchronize()
+        self.in_flight: tuple[torch.cuda.Event, str] | None = None
         # learning rates the graph holds as constants (optimizers that take them as floats)
         self.baked = [
             (opt, i, group["lr"])
@@ -90,6 +93,8 @@ class GraphedStep:
     def release(self) -> None:
         """Free the graph (and the NCCL work it holds), before the process group goes."""
         if getattr(self, "graph", None) is not None:
+            if self.in_flight is not None:
+                self._wait(*self.in_flight)
             torch.cuda.synchronize()
             self.graph.reset()
             self.graph = None
@@ -128,21 +133,32 @@ class GraphedStep:
                     "the captured shape",
                 )
             static.copy_(new, non_blocking=True)
+        caller = sys._getframe(1)
+        site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+        self.graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        # One replay in flight: this call returns once the previous one is done, so the GPU
+        # has the next step queued while the host prepares it (a wait per call made each rank's
+        # step start with its own host, and the all-reduce wait for the slower one). A replay
+        # that never ends is still waited for inside a progress record: at the next call, or
+        # at close.
+        previous, self.in_flight = self.in_flight, (done, site)
+        if previous is not None:
+            self._wait(*previous)
+        return self.static_outputs
+
+    def _wait(self, done: torch.cuda.Event, site: str) -> None:
         from ddpkit.rank.progress import writer
 
         record = writer()
-        site = ""
         if record is not None:
-            caller = sys._getframe(1)
-            site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
             record.enter("graph replay", "", site)
         try:
-            self.graph.replay()
-            torch.cuda.current_stream().synchronize()  # a stall here is seen and named
+            done.synchronize()
         finally:
             if record is not None:
                 record.leave("graph replay", "", site)
-        return self.static_outputs
 
 
 class EagerStep:

@@ -27,6 +27,7 @@ FIELDS = {
     "wrapped_as",
     "efficiency",
     "variants",
+    "back_to_back",
     "unavailable",
 }
 
@@ -60,6 +61,7 @@ def test_one_and_two_ranks_give_consistent_json(tmp_path):
     )
     assert rows[1]["samples_per_s"] == pytest.approx(8 * 2 / (rows[1]["step_ms"] / 1e3))
     assert rows[0]["exposed_comm_ms"] == 0.0
+    assert all(r["back_to_back"] == {} for r in rows), "measured with --graphs on GPUs only"
     assert all(r["wrap_over_raw"] > 0 for r in rows)
     assert "# ddpkit bench ddp: model tiny" in out.stdout
 

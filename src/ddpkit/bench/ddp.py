@@ -119,6 +119,23 @@ def run(args: Any) -> int:
                 f"{row['graphed_efficiency']:11.3f} {g['step_ms'] / e['step_ms']:13.3f}",
                 flush=True,
             )
+    if args.graphs and all(row["back_to_back"] for row in rows):
+        print(
+            f"# back to back: {'ranks':>5} {'graphed ms':>10} {'p90/med':>7} {'eager ms':>9} "
+            f"{'p90/med':>7} {'graphed eff':>11} {'graphed/eager':>13}",
+            flush=True,
+        )
+        base = rows[0]["back_to_back"]["graphed"]["step_ms"]
+        for row in rows:
+            g, e = row["back_to_back"]["graphed"], row["back_to_back"]["wrap"]
+            row["back_to_back_graphed_efficiency"] = base / g["step_ms"]
+            print(
+                f"  {'':>12} {row['ranks']:>5} {g['step_ms']:10.2f} {g['p90_over_median']:7.3f} "
+                f"{e['step_ms']:9.2f} {e['p90_over_median']:7.3f} "
+                f"{row['back_to_back_graphed_efficiency']:11.3f} "
+                f"{g['step_ms'] / e['step_ms']:13.3f}",
+                flush=True,
+            )
     for row in rows:
         others = ", ".join(
             f"{k} {v['over_raw']:.3f}" for k, v in row["variants"].items() if k != "wrap"

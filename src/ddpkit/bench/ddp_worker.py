@@ -69,6 +69,17 @@ def main(config_json: str) -> int:
                 times[name].append(
                     _timed(lambda t=trainer, n=name: t.step(x, y, sync=n != "no_sync"), s.device)
                 )
+        # back to back, as training runs: no wait between steps; each step's time is the GPU's
+        # time between CUDA events at its boundaries (idle time waiting for the host included)
+        steady = {}
+        if cfg.get("graphs") and s.device.type == "cuda":
+            for name in ("graphed", "wrap"):
+                ms = _back_to_back_ms(variants[name], x, y, cfg["steps"])
+                median = s.reduce(statistics.median(ms), op="max")
+                steady[name] = {
+                    "step_ms": median,
+                    "p90_over_median": s.reduce(_p90(ms), op="max") / median,
+                }
         busy = None
         if s.device.type == "cuda":
             kernels = compute_seconds_per_step(lambda: variants["wrap"].step(x, y, sync=True))
@@ -111,6 +122,7 @@ def main(config_json: str) -> int:
                             }
                             for k in variants
                         },
+                        "back_to_back": steady,
                         "unavailable": unavailable,
                     }
                 ),
@@ -199,6 +211,19 @@ class _GraphedTrainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> None:
         self.graphed(x, y)
+
+
+def _back_to_back_ms(trainer: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+    for _ in range(3):
+        trainer.step(x, y, sync=True)
+    torch.cuda.synchronize()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    marks[0].record()
+    for i in range(steps):
+        trainer.step(x, y, sync=True)
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    return [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
 
 
 def _p90(values: list[float]) -> float:
