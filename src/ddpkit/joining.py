@@ -87,16 +87,29 @@ def drain_gloo(timeout: float = 10.0) -> None:
     """Let gloo's worker threads finish with their last collectives before the group goes.
 
     A finished gloo work is freed on gloo's own thread, which must take the GIL to release a
-    Python object it captured. If the main thread destroys the group (or the interpreter shuts
-    down) first, that thread deadlocks or aborts the process ("terminate called without an
-    active exception"; seen in 2 of 16 two-rank DDP runs under torchrun and ddpkit alike, torch
-    2.13). A bounded barrier waits with the GIL released, so they finish; a peer that is gone
-    costs at most `timeout` seconds, never a hang.
+    tensor Python made. Destroying the group joins those threads while the main thread holds
+    the GIL: if one is still freeing a work, neither moves (seen with gdb on torch 2.4: the
+    worker in ~AsyncAllgatherWork waiting for the GIL, the main thread in ~ProcessGroupGloo),
+    or the interpreter aborts ("terminate called without an active exception"; 2 of 16
+    two-rank DDP runs under torchrun and ddpkit alike, torch 2.13). A bounded barrier waits
+    with the GIL released, so the collectives end everywhere; a peer that is gone costs at
+    most `timeout` seconds, never a hang. Then `settle_gloo`.
     """
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=timeout))
     except RuntimeError:
         pass
+    settle_gloo()
+
+
+GLOO_SETTLE_S = 0.1
+
+
+def settle_gloo() -> None:
+    """Hold no GIL for a moment, so that a gloo thread still freeing a finished work (which
+    it does after the work reports done, and later when the machine is loaded) takes it and
+    ends before the group's destructor joins it."""
+    time.sleep(GLOO_SETTLE_S)
 
 
 def choose(env: DistEnv, backend: str) -> tuple[str, torch.device]:

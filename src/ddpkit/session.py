@@ -335,6 +335,8 @@ class Session:
         if self._owns_group and dist.is_initialized():
             if self.backend == "gloo" and self.world_size > 1 and not failed:
                 joining.drain_gloo()
+            elif self.backend == "gloo" and self.world_size > 1:
+                joining.settle_gloo()  # the peers may be gone: no barrier, but no deadlock
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             # destroy waits for NCCL work that peers will never finish, and for communicators
             # a CUDA graph captured (measured: it never returned): abort does not

@@ -8,9 +8,12 @@ no rank process may outlive the call.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,12 +75,25 @@ def _entry(
     # the rank's own stderr, kept for the failure message (pytest's capture would hide it)
     err_file = os.open(Path(tmp) / f"stderr{rank}.txt", os.O_WRONLY | os.O_CREAT, 0o600)
     os.dup2(err_file, 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks when a rank hangs
     out = Path(tmp) / f"result{rank}.pkl"
     try:
         result = ("ok", fn(rank, world, Path(tmp), *args))
     except BaseException as err:  # report every failure to the parent, typed
         result = ("error", (type(err).__name__, str(err), traceback.format_exc()))
     out.write_bytes(pickle.dumps(result))
+
+
+def _stacks_of(hung: list[int], procs: list[Any], tmp: Path) -> str:
+    """Where each hung rank is (its threads' stacks), and whether it had reported a result."""
+    for r in hung:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1)
+    return "\n".join(
+        f"rank {r} ({'after' if (tmp / f'result{r}.pkl').exists() else 'before'} reporting):\n"
+        + (tmp / f"stderr{r}.txt").read_text()[-4000:]
+        for r in hung
+    )
 
 
 def run_ranks(
@@ -107,6 +123,7 @@ def run_ranks(
     for p in procs:
         p.join(timeout)
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    stacks = _stacks_of(hung, procs, tmp)
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -118,7 +135,7 @@ def run_ranks(
     ]
     assert not left, f"rank processes survived: {left}"
     if hung:
-        raise RankFailedError(f"ranks {hung} did not finish within {timeout} s")
+        raise RankFailedError(f"ranks {hung} did not finish within {timeout} s\n{stacks}")
     results = []
     for r in range(world):
         result_file = tmp / f"result{r}.pkl"
