@@ -91,33 +91,42 @@ def test_stderr_still_goes_to_stderr(tmp_path):
 
 def test_a_line_without_end_costs_linear_time_and_bounded_memory(tmp_path):
     size = 64 * 2**20
-    line = _launcher_peak(tmp_path / "long", f"sys.stdout.buffer.write(b'y' * {size})")
-    # the same launcher printing one short line: torch's libraries, which the launcher loads
-    # to serve the job's store, weigh 200-600 MiB depending on the build
-    short = _launcher_peak(tmp_path / "short", "print('y')")
+    line, took = _launcher_peak(tmp_path / "long", f"sys.stdout.buffer.write(b'y' * {size})", 1)
+    # the same launcher printing one short line, for as long; private anonymous memory (the
+    # heap), not RSS: the pages of torch's libraries that the launcher touches (it serves the
+    # job's store) vary by tens of MiB between runs of the CUDA build
+    short, _ = _launcher_peak(tmp_path / "short", "print('y')", took)
     grew = (line - short) / 2**20
-    assert grew < 48, f"the launcher held {grew:.0f} MiB more for a 64 MiB line"
+    assert grew < 16, f"the launcher held {grew:.0f} MiB more for a 64 MiB line"
     assert next((tmp_path / "long" / "logs").glob("*/rank0.log")).stat().st_size == size
 
 
-def _launcher_peak(folder: Path, code: str) -> int:
-    """The launcher's largest resident size while it runs a rank that executes `code`."""
+def _launcher_peak(folder: Path, code: str, sleep: float) -> tuple[int, float]:
+    """The launcher's largest private anonymous memory (RssAnon) while it runs a rank that
+    executes `code` and then sleeps, and how long the job took."""
     folder.mkdir()
     script = folder / "rank.py"
-    script.write_text(f"import sys, time\n{code}\ntime.sleep(1)\n")
+    script.write_text(f"import sys, time\n{code}\ntime.sleep({sleep})\n")
     job = start(["-n", "1", str(script)], folder)
     launcher = psutil.Process(job.proc.pid)
     peak = 0
     began = time.monotonic()
     while job.proc.poll() is None:
         try:
-            peak = max(peak, launcher.memory_info().rss)
-        except psutil.Error:
+            peak = max(peak, _anonymous_bytes(launcher.pid))
+        except (psutil.Error, OSError):
             break
         time.sleep(0.05)
     assert job.finish(60) == 0
-    assert time.monotonic() - began < bound(30)
-    return peak
+    took = time.monotonic() - began
+    assert took < bound(30)
+    return peak, took
+
+
+def _anonymous_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    kib = next((line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:")), 0)
+    return int(kib) * 1024
 
 
 def test_a_full_log_disk_warns_once_and_the_console_goes_on(tmp_path):
