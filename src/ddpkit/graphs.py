@@ -93,7 +93,7 @@ class GraphedStep:
     def release(self) -> None:
         """Free the graph (and the NCCL work it holds), before the process group goes."""
         if getattr(self, "graph", None) is not None:
-            if self.in_flight is not None:
+            if getattr(self, "in_flight", None) is not None:
                 self._wait(*self.in_flight)
             torch.cuda.synchronize()
             self.graph.reset()
