@@ -8,6 +8,7 @@ no rank process may outlive the call.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -87,7 +88,8 @@ def _entry(
 def _stacks_of(hung: list[int], procs: list[Any], tmp: Path) -> str:
     """Where each hung rank is (its threads' stacks), and whether it had reported a result."""
     for r in hung:
-        os.kill(procs[r].pid, signal.SIGUSR1)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+            os.kill(procs[r].pid, signal.SIGUSR1)
     time.sleep(1)
     return "\n".join(
         f"rank {r} ({'after' if (tmp / f'result{r}.pkl').exists() else 'before'} reporting):\n"

@@ -12,6 +12,7 @@ with a compute kernel running (torch.profiler; `ddpkit.bench.busy`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ddpkit.errors import ConfigError, LaunchError
@@ -104,38 +105,10 @@ def run(args: Any) -> int:
             flush=True,
         )
     if args.graphs:
-        print(
-            f"# {'ranks':>5} {'graphed ms':>10} {'p90/med':>7} {'eager ms':>9} {'p90/med':>7} "
-            f"{'graphed eff':>11} {'graphed/eager':>13}",
-            flush=True,
-        )
-        base = rows[0]["variants"]["graphed"]["step_ms"]
-        for row in rows:
-            g, e = row["variants"]["graphed"], row["variants"]["wrap"]
-            row["graphed_efficiency"] = base / g["step_ms"]  # fixed batch per GPU
-            print(
-                f"  {row['ranks']:>5} {g['step_ms']:10.2f} {g['p90_over_median']:7.3f} "
-                f"{e['step_ms']:9.2f} {e['p90_over_median']:7.3f} "
-                f"{row['graphed_efficiency']:11.3f} {g['step_ms'] / e['step_ms']:13.3f}",
-                flush=True,
-            )
+        _print_graphed(rows, "", lambda row: row["variants"], "graphed_efficiency")
     if args.graphs and all(row["back_to_back"] for row in rows):
-        print(
-            f"# back to back: {'ranks':>5} {'graphed ms':>10} {'p90/med':>7} {'eager ms':>9} "
-            f"{'p90/med':>7} {'graphed eff':>11} {'graphed/eager':>13}",
-            flush=True,
-        )
-        base = rows[0]["back_to_back"]["graphed"]["step_ms"]
-        for row in rows:
-            g, e = row["back_to_back"]["graphed"], row["back_to_back"]["wrap"]
-            row["back_to_back_graphed_efficiency"] = base / g["step_ms"]
-            print(
-                f"  {'':>12} {row['ranks']:>5} {g['step_ms']:10.2f} {g['p90_over_median']:7.3f} "
-                f"{e['step_ms']:9.2f} {e['p90_over_median']:7.3f} "
-                f"{row['back_to_back_graphed_efficiency']:11.3f} "
-                f"{g['step_ms'] / e['step_ms']:13.3f}",
-                flush=True,
-            )
+        steady = "back_to_back_graphed_efficiency"
+        _print_graphed(rows, "back to back: ", lambda row: row["back_to_back"], steady)
     for row in rows:
         others = ", ".join(
             f"{k} {v['over_raw']:.3f}" for k, v in row["variants"].items() if k != "wrap"
@@ -226,3 +199,28 @@ def _plot(path: str, model: str, rows: list[dict[str, Any]]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _print_graphed(
+    rows: list[dict[str, Any]],
+    title: str,
+    timings: Callable[[dict[str, Any]], dict[str, Any]],
+    efficiency_key: str,
+) -> None:
+    """One table of the graphed step against the eager one (`timings(row)` holds both), with
+    the graphed efficiency against the first row's graphed step (a fixed batch per GPU)."""
+    print(
+        f"# {title}{'ranks':>5} {'graphed ms':>10} {'p90/med':>7} {'eager ms':>9} {'p90/med':>7} "
+        f"{'graphed eff':>11} {'graphed/eager':>13}",
+        flush=True,
+    )
+    base = timings(rows[0])["graphed"]["step_ms"]
+    for row in rows:
+        g, e = timings(row)["graphed"], timings(row)["wrap"]
+        row[efficiency_key] = base / g["step_ms"]
+        print(
+            f"  {' ' * len(title)}{row['ranks']:>5} {g['step_ms']:10.2f} "
+            f"{g['p90_over_median']:7.3f} {e['step_ms']:9.2f} {e['p90_over_median']:7.3f} "
+            f"{row[efficiency_key]:11.3f} {g['step_ms'] / e['step_ms']:13.3f}",
+            flush=True,
+        )
