@@ -29,9 +29,20 @@ def _stdlib_dirs() -> tuple[str, ...]:
     return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")})
 
 
+@functools.lru_cache(maxsize=1)
 def _site_dirs() -> tuple[str, ...]:
+    """Where installed packages live: this environment's and the interpreter's site folders,
+    the user's, and Debian's dist-packages."""
+    import site
+
     paths = sysconfig.get_paths()
-    return tuple({os.path.realpath(paths[k]) + os.sep for k in ("purelib", "platlib")})
+    found = {paths[k] for k in ("purelib", "platlib")}
+    try:
+        found.update(site.getsitepackages())
+        found.add(site.getusersitepackages())
+    except AttributeError:  # a virtualenv's old site.py
+        pass
+    return tuple({os.path.realpath(p) + os.sep for p in found if p})
 
 
 DDPKIT_DIR = os.path.realpath(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -61,6 +72,14 @@ def owner(filename: str) -> str | None:
     if path.startswith(_stdlib_dirs()) and not path.startswith(_site_dirs()):
         return "python"
     return None
+
+
+def is_framework(filename: str) -> bool:
+    """Installed third-party code (Lightning, Hugging Face, Accelerate...): the user's training
+    runs inside it, but the user's own lines are elsewhere."""
+    if owner(filename) is not None or filename.startswith("<"):
+        return False
+    return os.path.realpath(filename).startswith(_site_dirs())
 
 
 def is_library(filename: str) -> bool:

@@ -103,12 +103,18 @@ class SeededDataset(Dataset):
 
 class EpochLoader(DataLoader):
     """A DataLoader that tells its sampler which epoch each new pass is, counts the batches
-    it hands out, can resume mid-epoch, and moves batches to a device when asked."""
+    it hands out, can resume mid-epoch, and moves batches to a device when asked.
+
+    Where it stands is where a never-stopped loop stands: inside a pass (its iterator alive,
+    even after the last batch, before the loop has seen the epoch end), or between passes (the
+    pass ran out or its iterator was dropped: the next `iter()` starts the next epoch)."""
 
     epoch = 0  # the epoch the next pass is
     to_device: torch.device | None = None
     _taken = 0  # batches taken of the current pass
     _current = -1  # the epoch of the current pass
+    _open: object | None = None  # the current pass, while its iterator lives
+    _restored: tuple[int, int] | None = None  # (epoch, batches taken) the next pass resumes
 
     def __iter__(self) -> Any:
         # lazy: an iterator made and dropped (tqdm's asyncio flavour makes one) starts nothing
@@ -119,29 +125,41 @@ class EpochLoader(DataLoader):
         launcher's hang doctor that this rank is making progress."""
         from ddpkit.rank.progress import beat
 
-        skip, self._taken = self._taken if self._current == self.epoch else 0, 0
+        epoch, skip = self._restored or (self.epoch, 0)
+        self._restored = None
         sampler = self.sampler if isinstance(self.sampler, EpochSampler) else None
         if sampler is not None:
-            sampler.set_epoch(self.epoch)
+            sampler.set_epoch(epoch)
             sampler.skip = skip * (self.batch_size or 1)
-        self._current, self.epoch = self.epoch, self.epoch + 1
-        self._taken = skip
-        for batch in super().__iter__():
-            beat()
-            self._taken += 1
-            yield batch if self.to_device is None else _to(batch, self.to_device)
-        if isinstance(self.sampler, EpochSampler):
-            self.sampler.skip = 0
+        self._current, self.epoch, self._taken = epoch, epoch + 1, skip
+        token = self._open = object()
+        try:
+            for batch in super().__iter__():
+                beat()
+                self._taken += 1
+                yield batch if self.to_device is None else _to(batch, self.to_device)
+        finally:
+            if self._open is token:  # not a newer pass started meanwhile
+                self._open = None
+            if sampler is not None:
+                sampler.skip = 0
 
     def resume_state(self) -> dict[str, int]:
-        """Where this loader is: the next pass to start, and batches taken of the current."""
-        if self._current >= 0 and self._taken < len(self):
+        """Where this loader is: inside a pass, its epoch and the batches taken of it (all of
+        them after the last batch, until the loop sees the epoch end); between passes, the
+        next epoch and 0."""
+        if self._open is not None:
             return {"epoch": self._current, "batches": self._taken}
+        if self._restored is not None:
+            return {"epoch": self._restored[0], "batches": self._restored[1]}
         return {"epoch": self.epoch, "batches": 0}
 
     def restore(self, state: dict[str, int]) -> None:
-        self.epoch = self._current = int(state["epoch"])
-        self._taken = int(state["batches"])
+        """Stand where resume_state() was read: the next pass continues that epoch after the
+        batches taken (and yields nothing when all were taken)."""
+        self._restored = (int(state["epoch"]), int(state["batches"]))
+        self.epoch = self._restored[0]
+        self._open = None
 
     def __len__(self) -> int:
         if isinstance(self.sampler, EpochSampler):

@@ -110,6 +110,27 @@ def list_training_processes() -> list[TrainingProcess]:
     return sorted(found, key=lambda p: (p.job, p.role != "launcher", p.rank, p.pid))
 
 
+def job_workers(job: str | None, command: str) -> tuple[str, list[TrainingProcess]]:
+    """The running job named `job` (or the only one) and its ranks on this machine; a
+    ConfigError naming what to do when there is none or several. `command` says who asks."""
+    from ddpkit.errors import ConfigError
+
+    workers = [p for p in list_training_processes() if p.role == "worker"]
+    jobs = sorted({p.job for p in workers})
+    job = job or (jobs[0] if len(jobs) == 1 else None)
+    if job is None:
+        raise ConfigError(
+            "no running training job"
+            if not jobs
+            else f"{len(jobs)} jobs are running: {', '.join(jobs)}",
+            fix=f"name one: `ddpkit {command} JOB` (see `ddpkit ps`)",
+        )
+    mine = [p for p in workers if p.job == job]
+    if not mine:
+        raise ConfigError(f"no job {job!r} on this machine", fix="see `ddpkit ps` for jobs")
+    return job, mine
+
+
 def _is_job_member(pid: int, job: str) -> bool:
     try:
         return job_of(_environ(psutil.Process(pid))) == job

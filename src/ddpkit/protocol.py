@@ -46,10 +46,13 @@ PHASE = "phase"  # "started|init|ready TIME": where the rank is in start-up
 ERROR = "error"  # the rank's uncaught error (ErrorRecord as JSON)
 STACKS = "stacks"  # faulthandler's dumps, appended on request
 PROGRESS = "progress"  # the memory-mapped progress record (Record)
-FLIGHT_REQUEST = "fr-request"  # the launcher asks for a flight-recorder dump
+FLIGHT_REQUEST = "fr-request"  # the launcher asks for a full flight-recorder dump
 FLIGHT_DUMP = "fr"  # the rank's answer (pickled dump)
+# the hang watch's polls ask for the process groups' status only, in files of their own: a poll
+# still unanswered when a report asks for the full dump must not be answered in its place
+FLIGHT_STATUS_REQUEST = "fr-status-request"
+FLIGHT_STATUS_DUMP = "fr-status"
 FLIGHT_READY = "fr-ready"  # exists once the rank answers dump requests
-FLIGHT_STATUS = "status"  # a request's content asking for process-group status only
 TORCH_ERROR = "torch-error.json"  # TORCHELASTIC_ERROR_FILE: what torch's @record writes
 GRACEFUL = "graceful"  # exists once the rank reads s.stop_requested: it saves before it stops
 
@@ -181,6 +184,91 @@ def read_record(state_dir: str | Path, rank: int | str) -> Record | None:
 
 def _text(raw: bytes) -> str:
     return raw.rstrip(b"\0").decode(errors="replace")
+
+
+# -- the step record ----------------------------------------------------------------------------
+# Every step of the rank, timed (ddpkit.rank.steps), in a memory-mapped ring per rank: a header
+# (how many steps were written, the device) and the last STEP_RING steps, each its end (wall
+# clock) and seconds: the whole step, waiting for data, computing, waiting for communication,
+# and the rest of the host's time. The launcher reads what is new since its last read.
+
+STEPS = "steps"  # the rank's step record
+STEP_RING = 1024
+_STEPS_HEAD = struct.Struct("<4sQB3x48s")  # magic, steps written, 1 on a GPU, its UUID
+_STEP = struct.Struct("<Qd5f4x")  # step number, end (time.time()), total, data, compute, comm, host
+STEPS_MAGIC = b"DKS1"
+STEPS_SIZE = _STEPS_HEAD.size + STEP_RING * _STEP.size
+
+
+@dataclass(frozen=True)
+class Step:
+    number: int  # the rank's step count (1 = its first timed step)
+    end: float  # wall clock when it ended
+    total: float  # seconds, end to end (optimizer step to optimizer step)
+    data: float  # waiting for the next batch
+    compute: float  # the rank's own work (on a GPU: timed on the GPU, waits left out)
+    comm: float  # waiting for communication (what overlap did not hide)
+    host: float  # the rest (on a GPU: the GPU idle, waiting for the host)
+
+
+class StepWriter:
+    """The rank's side of its step record."""
+
+    def __init__(self, path: Path, gpu_uuid: str = "") -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, STEPS_SIZE)
+            self._map = mmap.mmap(fd, STEPS_SIZE)
+        finally:
+            os.close(fd)
+        self.count = 0
+        self._gpu = gpu_uuid.encode()[:48]
+        self._head()
+
+    def _head(self) -> None:
+        _STEPS_HEAD.pack_into(self._map, 0, STEPS_MAGIC, self.count, bool(self._gpu), self._gpu)
+
+    def set_gpu(self, uuid: str) -> None:
+        self._gpu = uuid.encode()[:48]
+        self._head()
+
+    def write(self, step: Step) -> None:
+        slot = _STEPS_HEAD.size + (self.count % STEP_RING) * _STEP.size
+        _STEP.pack_into(
+            self._map, slot, step.number, step.end, step.total, step.data, step.compute,
+            step.comm, step.host,
+        )  # fmt: skip
+        self.count += 1
+        self._head()  # the count last: a reader never takes a slot before it is written
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    count: int  # steps written so far
+    gpu: str  # the GPU's UUID ("" on the CPU)
+    steps: list[Step]  # the ones asked for that the ring still holds, oldest first
+
+
+def read_steps(state_dir: str | Path, rank: int | str, since: int = 0) -> StepRecord | None:
+    """The launcher's side: steps numbered above `since` (at most the ring's last STEP_RING),
+    or None before the rank made its record."""
+    try:
+        raw = state_path(state_dir, rank, STEPS).read_bytes()
+    except OSError:
+        return None
+    if len(raw) < STEPS_SIZE:
+        return None
+    magic, count, on_gpu, uuid = _STEPS_HEAD.unpack_from(raw, 0)
+    if magic != STEPS_MAGIC:
+        return None
+    first = max(since, count - STEP_RING + 1, 0)  # the oldest the ring still holds
+    steps = []
+    for n in range(first, count):
+        slot = _STEPS_HEAD.size + (n % STEP_RING) * _STEP.size
+        step = Step(*_STEP.unpack_from(raw, slot))
+        if step.number == n + 1:  # not overwritten while we read
+            steps.append(step)
+    return StepRecord(count, _text(uuid) if on_gpu else "", steps)
 
 
 # The torch.distributed calls the rank records (the outermost call only: all_gather_object's

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import checkpoint, comm, joining, loaders, protocol, state
+from ddpkit import bucket_layout, checkpoint, comm, joining, loaders, protocol, state
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
 from ddpkit.graphs import ASYNC_VARIABLE, capture
@@ -136,11 +136,16 @@ class Session:
                 torch.cuda.current_stream().wait_stream(side)
             else:
                 model = DistributedDataParallel(model, **ddp_kwargs)
+            hook = None
             if compress is not None:
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
                 hook = getattr(default_hooks, f"{compress}_compress_hook")
-                model.register_comm_hook(dist.group.WORLD, hook)
+            if self._graphs:  # a captured step keeps DDP's buckets of its capture
+                if hook is not None:
+                    model.register_comm_hook(dist.group.WORLD, hook)
+            else:  # the first step sums as every later one: exact resume (bucket_layout)
+                bucket_layout.install(model, inner=hook)
         return torch.compile(model) if compile else model
 
     @contextlib.contextmanager

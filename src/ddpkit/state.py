@@ -215,6 +215,8 @@ def load_state(
 ) -> bool:
     """Collective. False when `path` holds no complete state (a first run)."""
     kinds = {name: _kind(name, obj) for name, obj in objects.items()}
+    for obj in objects.values():
+        _line_up_buckets(obj)
     states = _states(Path(path))
     if not states:
         return False
@@ -250,6 +252,17 @@ def load_state(
         if rng:
             set_rng_state(mine["rng"])
     return True
+
+
+def _line_up_buckets(obj: Any) -> None:
+    """A DDP the script built itself sums its first step as its later ones from here on, as
+    s.wrap's does (ddpkit.bucket_layout): in the first run and the resumed one alike, since
+    both call load_state before training."""
+    from ddpkit import bucket_layout
+
+    ddp = bucket_layout.find_ddp(obj)
+    if ddp is not None:
+        bucket_layout.install(ddp)
 
 
 def _read(file: Path, device: torch.device) -> Any:

@@ -185,6 +185,37 @@ def test_tqdm_write_lands_on_its_own_line(tmp_path):
         assert f"[rank 0] note {i}" in shown, out.stdout
 
 
+def test_a_progress_bar_in_a_log_is_a_line_now_and_then_and_its_last_state(tmp_path):
+    # issue 21: `ddpkit run ... > train.log` held a line per redraw plus blank erasure lines,
+    # or one run-on line of carriage-return segments
+    script = tmp_path / "bars.py"
+    script.write_text(
+        "import os, time\nfrom tqdm import tqdm\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    for i in tqdm(range(12), desc='slow', mininterval=0.05):\n"
+        "        time.sleep(0.5)\n"
+        "    for epoch in range(3):\n"
+        "        for i in tqdm(range(40), desc=f'epoch {epoch}', leave=False):\n"
+        "            time.sleep(0.01)\n"
+        "        print(f'epoch {epoch} done', flush=True)\n"
+    )
+    out = shell(f"{sys.executable} -m ddpkit run -n 2 {script} > train.log 2>&1", tmp_path)
+    assert out.returncode == 0
+    log = (tmp_path / "train.log").read_bytes().decode()
+    assert "\r" not in log, "no carriage return reaches a log"
+    lines = log.splitlines()
+    assert not [line for line in lines if line.strip() in ("[rank 0]", "[rank 1]")], log
+    assert not [line for line in lines if line.count("[rank") > 1], log
+    slow = [line for line in lines if line.startswith("[rank 0] slow:")]
+    assert slow[0].startswith("[rank 0] slow:   0%"), log
+    assert "12/12" in slow[-1], "the bar's last state is kept"
+    assert 3 <= len(slow) <= 5, f"a state every {5} s of a 6 s bar, not every redraw:\n{log}"
+    for epoch in range(3):
+        epoch_lines = [line for line in lines if line.startswith(f"[rank 0] epoch {epoch}:")]
+        assert 1 <= len(epoch_lines) <= 2, log
+        assert f"[rank 0] epoch {epoch} done" in lines
+
+
 def test_ctrl_c_runs_every_ranks_except_keyboardinterrupt_and_finally(tmp_path):
     job = start(["-n", "2", "--grace", "10", str(SCRIPTS / "saves_on_ctrl_c.py"), str(tmp_path)],
                 tmp_path)  # fmt: skip

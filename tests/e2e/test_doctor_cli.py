@@ -32,6 +32,31 @@ def test_the_smoke_test_runs_a_real_all_reduce_and_exits_0():
     assert "ddpkit doctor: 0 error(s)" in out.stdout
 
 
+def test_one_rank_moves_no_data_so_the_smoke_test_claims_no_bandwidth():
+    # issue 21: one GPU printed "256 MiB in 28 us, busbw 9676.56 GB/s"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpkit.doctor.smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    smoke = json.loads(out.stdout.split("DDPKIT_SMOKE ", 1)[1].splitlines()[0])
+    assert smoke["ranks"] == 1
+    assert smoke["wrong"] == 0
+    assert smoke["busbw_gbps"] is None
+    assert smoke["time_us"] is None
+
+    from ddpkit.cli.doctor import render
+    from ddpkit.doctor.facts import gather
+
+    text = render(gather(), [], {"ok": True, **smoke}, 0, 0)
+    assert "one rank moves no data, so no bandwidth is measured" in text
+    assert "GB/s" not in text
+
+
 def test_json_is_the_documented_schema():
     out = doctor("--json", "--no-smoke", NCCL_DEBUGG="INFO")
     data = json.loads(out.stdout)

@@ -54,6 +54,44 @@ def test_ctrl_c_or_sigterm_in_any_phase_stops_everything_within_grace(tmp_path, 
     assert took < bound(grace + 2), f"took {took:.1f} s"
 
 
+def test_sigterm_while_the_hang_report_is_collected_stops_everything_within_grace(tmp_path):
+    # rank 1 holds the GIL: the report waits for its flight recorder's answer (up to 8 s)
+    grace = 2
+    args = ["-n", "2", "--grace", str(grace), "--hang-timeout", "2"]
+    job = start([*args, str(SCRIPTS / "holds_the_gil.py")], tmp_path)
+    job.wait_for("[rank 1] ready")
+    stacks = job.log_dir / job.run_id / "state0" / "rank1.stacks"
+    deadline = time.monotonic() + bound(30)
+    while not (stacks.exists() and stacks.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stacks.exists(), "the hang report never asked for stacks"
+    job.proc.send_signal(signal.SIGTERM)
+    took = gone_within(job, grace + 15)
+    assert job.proc.returncode == 128 + signal.SIGTERM, job.stderr
+    assert took < bound(grace + 2), f"took {took:.1f} s"
+
+
+def test_an_unresolvable_master_addr_is_refused_at_once_naming_the_host(tmp_path):
+    (tmp_path / "train.py").write_text("print('should not run')\n")
+    started = time.monotonic()
+    job = start(["-n", "2", "--master-addr", "nosuchhost.invalid", "train.py"], tmp_path)
+    assert job.finish(60) == 2
+    assert time.monotonic() - started < bound(10)
+    assert "--master-addr 'nosuchhost.invalid' does not name a machine" in job.stderr
+    assert "Traceback" not in job.stderr
+    assert "should not run" not in job.stdout
+    assert not (job.log_dir / job.run_id).exists(), "a run was started"
+
+
+def test_a_master_addr_of_another_machine_for_one_node_is_refused_at_once(tmp_path):
+    (tmp_path / "train.py").write_text("print('should not run')\n")
+    job = start(["-n", "2", "--master-addr", "198.18.0.99", "train.py"], tmp_path)
+    assert job.finish(60) == 2
+    assert "'198.18.0.99' is not an address of this machine" in job.stderr
+    assert "leave --master-addr out" in job.stderr
+    assert not (job.log_dir / job.run_id).exists(), "a run was started"
+
+
 def test_a_second_ctrl_c_kills_at_once(tmp_path):
     job = start(["-n", "2", "--grace", "60", str(SCRIPTS / "ignore_all.py")], tmp_path)
     job.wait_for("ready")

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tests.e2e.helpers import SCRIPTS, start
-from tests.e2e.test_resume import losses
+from tests.e2e.test_resume_sizes import losses
 
 torch = pytest.importorskip("torch")
 pytestmark = [

@@ -116,3 +116,31 @@ def test_the_watch_asks_for_status_and_the_report_for_the_collectives(tmp_path):
             pytest.skip("this torch's recorder has no process-group status")
         assert "entries" not in answer
         assert len(full["entries"]) >= 3
+
+
+def _report_during_a_poll(rank, world, tmp):
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import ddpkit
+    from ddpkit.launch import flight
+    from ddpkit.rank import flight as rank_flight
+
+    with ddpkit.setup() as s:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(4))
+        state = Path(tmp)
+        rank_flight.serve(str(state), str(rank), "gloo")
+        flight.ask(state, rank)  # the watch's poll, not answered yet
+        full = flight.request([rank], state).get(rank)  # the report, at once
+        s.barrier()
+        return full
+
+
+@needs_gloo_recorder
+def test_a_report_asked_while_a_status_poll_is_unanswered_gets_the_collectives(tmp_path):
+    # the watch polls, then declares the hang and asks for the report in the same second
+    for full in run_ranks(_report_during_a_poll, 2, tmp_path, env=RING):
+        assert full is not None, "the rank did not answer the report's request"
+        assert len(full.get("entries", [])) >= 3, sorted(full)

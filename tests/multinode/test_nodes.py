@@ -125,6 +125,31 @@ def test_static_nodes_form_one_job_and_end_without_a_trace(nodes, tmp_path):
         cluster.close()
 
 
+def test_two_kubernetes_pods_form_one_job_from_torchruns_pet_variables_alone(two, tmp_path):
+    # what Kubeflow's PyTorchJob gives each pod; the command is plain `ddpkit run script`
+    run_id = "pet" + uuid.uuid4().hex[:6]
+    procs = []
+    for k in range(2):
+        pod = {
+            "PET_NNODES": "2",
+            "PET_NODE_RANK": str(k),
+            "PET_NPROC_PER_NODE": "1",
+            "PET_MASTER_ADDR": "node0",
+            "PET_MASTER_PORT": "29500",
+            "PET_RDZV_ID": run_id,
+        }
+        cmd = [sys.executable, "-m", "ddpkit", "run", "--log-dir", str(tmp_path / f"node{k}")]
+        procs.append(two.start(k, [*cmd, str(SCRIPT), "2"], cwd=tmp_path, env=pod))
+    procs[0].run_id = run_id  # type: ignore[attr-defined]
+    codes = [p.finish() for p in procs]
+    text = "".join(p.stdout + p.stderr for p in procs)
+    assert codes == [0, 0], text
+    assert "world size 2" in procs[0].stderr, "one job of two nodes, not two jobs of one"
+    assert text.count("MASTER_ADDR=node0 ") == 2
+    assert "rank 1] done" in text
+    assert_nothing_left(procs)
+
+
 def _running(cluster: Cluster, tmp_path: Path, nodes: int = 2) -> list[Proc]:
     procs = run_on(cluster, tmp_path, [*rdzv(cluster, nodes), str(SCRIPT), "600", "--sleep", "1"])
     for p in procs:

@@ -9,6 +9,7 @@ from ddpkit.launch.hang import Frame, main_thread, parse_threads, user_frames, v
 
 # Library frames are where torch, ddpkit and Python really are on this machine.
 C10D = frames._torch_dir() + "distributed/distributed_c10d.py"
+SITE = frames._site_dirs()[0]  # where installed frameworks (transformers, lightning) live
 DUMP = f"""Thread 0x00007f01 (most recent call first):
   File "{threading.__file__}", line 320 in wait
   File "{threading.__file__}", line 622 in wait
@@ -38,16 +39,60 @@ def test_a_rank_inside_a_collective_is_placed_there_from_its_stack():
     )
 
 
-def test_the_record_names_the_call_site_of_a_collective_in_flight():
+def test_without_a_stack_the_record_names_the_call_site_of_a_collective_in_flight():
     record = protocol.Record(3, 0, 1.0, True, "broadcast", "[4]", "model.py:7")
     assert where([], record, None) == ("wait in broadcast", "model.py:7")
 
 
-def test_a_pending_nccl_collective_places_the_rank_in_it():
+def test_an_nccl_collective_pending_through_a_hang_places_the_host_at_its_sync_line():
     record = protocol.Record(5, 0, 0.0, False, "all_reduce", "[8]", "train.py:13")
-    assert where(
-        [Frame("/home/me/train.py", 14, "<module>")], record, None, "all_reduce #6 (scheduled)"
-    ) == ("wait in all_reduce", "train.py:13")
+    stack = [Frame("/home/me/train.py", 14, "<module>")]
+    assert where(stack, record, None, "nccl:all_reduce #6 (scheduled)", hung=True) == (
+        "wait in all_reduce",
+        "train.py:14",
+    )
+
+
+def test_a_rank_busy_in_its_own_code_is_placed_there_whatever_it_launched_before():
+    # issue 21: rank 1 asleep in a Trainer callback while DDP's bucket all_reduce it launched
+    # is still "scheduled" in its (gloo) flight recorder, its last collective a library gather
+    record = protocol.Record(9, 0, 0.0, False, "all_reduce", "[4]", "operations.py:355")
+    stack = [
+        Frame("/home/me/train_hf.py", 15, "on_step_end"),
+        Frame(SITE + "transformers/trainer_callback.py", 548, "call_event"),
+        Frame(SITE + "transformers/trainer.py", 2620, "_inner_training_loop"),
+        Frame("/home/me/train_hf.py", 40, "main"),
+    ]
+    assert where(stack, record, None, "gloo:all_reduce #9 (scheduled)", hung=True) == (
+        "is elsewhere: on_step_end",
+        "train_hf.py:15",
+    )
+
+
+def test_a_live_rank_in_backward_is_in_backward_not_in_its_last_collective():
+    # issue 21: `ddpkit stacks` said "wait in all_reduce (slow.py:42)", the loop's last explicit
+    # all_reduce, while the stack stood at line 39 in loss.backward()
+    record = protocol.Record(40, 0, 0.0, False, "all_reduce", "[1]", "slow.py:42")
+    stack = [Frame(frames._torch_dir() + "_tensor.py", 625, "backward")]
+    stack.append(Frame("/home/me/slow.py", 39, "<module>"))
+    assert where(stack, record, None, "gloo:allreduce #81 (scheduled)") == (
+        "is in backward",
+        "slow.py:39",
+    )
+
+
+def test_inside_a_framework_the_site_names_its_line_and_the_scripts_line_that_called_it():
+    stack = [
+        Frame(C10D, 3400, "all_gather_into_tensor"),
+        Frame(SITE + "accelerate/utils/operations.py", 355, "_gpu_gather_one"),
+        Frame(SITE + "transformers/trainer.py", 2620, "_inner_training_loop"),
+        Frame("/home/me/train_hf.py", 40, "main"),
+        Frame("/home/me/train_hf.py", 60, "<module>"),
+    ]
+    assert where(stack, None, None, hung=True) == (
+        "wait in all_gather_into_tensor",
+        "operations.py:355 in _gpu_gather_one from train_hf.py:40",
+    )
 
 
 def test_an_exited_rank_says_so():
@@ -76,7 +121,7 @@ def test_flight_recorder_progress_reads_completed_and_pending_sequence_numbers()
         ]
     }
     assert progress_state(dump) == (2, 3)
-    assert pending(dump) == "broadcast #3 (started)"
+    assert pending(dump) == "nccl:broadcast #3 (started)"
     assert progress_state({"entries": []}) == (-1, None)
 
 
@@ -94,11 +139,11 @@ def test_a_collective_in_a_users_folder_named_distributed_is_not_torchs():
     assert where(mine, None, None) == ("is elsewhere: all_reduce", "ops.py:5")
 
 
-def test_a_rank_blocked_in_backward_waits_in_ddps_all_reduce_at_the_backward_call():
+def test_a_rank_blocked_in_backward_through_a_hang_waits_in_ddps_all_reduce():
     tensor_py = frames._torch_dir() + "_tensor.py"
     stack = [
         Frame(tensor_py, 625, "backward"),
         Frame("/home/me/train.py", 50, "_run_batch"),
         Frame("/home/me/train.py", 80, "<module>"),
     ]
-    assert where(stack, None, None) == ("wait in all_reduce", "train.py:50")
+    assert where(stack, None, None, hung=True) == ("wait in all_reduce", "train.py:50")

@@ -169,3 +169,50 @@ def test_a_module_that_is_nowhere_is_refused_before_anything_starts(gpus, tmp_pa
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="no module 'nopkg_xyz'"):
         parse(["-m", "nopkg_xyz.train"])
+
+
+KUBEFLOW = {  # what a PyTorchJob / Trainer pod sets for torchrun (node 1 of 2)
+    "PET_NNODES": "2",
+    "PET_NODE_RANK": "1",
+    "PET_NPROC_PER_NODE": "3",
+    "PET_MASTER_ADDR": "job-master-0",
+    "PET_MASTER_PORT": "23456",
+}
+
+
+def test_torchruns_pet_variables_configure_a_kubernetes_pod_as_torchrun_reads_them(script, gpus):
+    cfg = parse([script], KUBEFLOW)
+    assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node) == (2, 1, 3)
+    assert (cfg.master_addr, cfg.master_port) == ("job-master-0", 23456)
+    assert cfg.master_addr_given
+
+
+def test_a_flag_and_then_ddpkits_variable_win_over_pet_variables(script, gpus):
+    environ = {**KUBEFLOW, "DDPKIT_NPROC_PER_NODE": "2"}
+    assert parse([script], environ).nproc_per_node == 2
+    assert parse(["-n", "1", script], environ).nproc_per_node == 1
+    assert parse(["--nnodes", "1", script], environ).nnodes == 1
+
+
+def test_pet_variables_reach_torchruns_own_flags_too(script, gpus):
+    from ddpkit.launch import torchrun_flags
+
+    def with_torchrun_flags(environ: dict[str, str]) -> config.LaunchConfig:
+        parser = argparse.ArgumentParser()
+        config.add_options(parser, environ)
+        torchrun_flags.add_flags(parser, environ)
+        parser.add_argument("-m", "--module")
+        parser.add_argument("--no-python", action="store_true")
+        args = parser.parse_args([])
+        args.target = [script]
+        return config.from_args(args, environ)
+
+    with pytest.raises(ConfigError, match="--rdzv-backend 'etcd'"):
+        with_torchrun_flags({"PET_RDZV_BACKEND": "etcd"})
+    cfg = with_torchrun_flags({"PET_STANDALONE": "1", "PET_MONITOR_INTERVAL": "0.5"})
+    assert cfg.torchrun.monitor_interval == 0.5
+
+
+def test_the_environment_for_commands_that_launch_jobs_reads_pet_variables_too(script, gpus):
+    cfg = config.build("script", script, environ={"PET_NPROC_PER_NODE": "3"})
+    assert cfg.nproc_per_node == 3

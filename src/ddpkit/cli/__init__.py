@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from ddpkit._version import __version__
 from ddpkit.errors import DdpkitError, debug_enabled
 
-COMMANDS = ("run", "demo", "doctor", "bench", "ps", "kill", "stacks")
+COMMANDS = ("run", "demo", "doctor", "bench", "ps", "kill", "stacks", "top")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -176,7 +176,13 @@ def render(
         lines += ["", found.topology]
     if smoke is not None:
         lines.append("")
-        if smoke.get("ok"):
+        if smoke.get("ok") and smoke.get("busbw_gbps") is None:
+            lines.append(
+                f"smoke test   all_reduce on {smoke['ranks']} rank ({smoke['backend']}): "
+                "correct; one rank moves no data, so no bandwidth is measured (with 2 or "
+                "more GPUs the doctor times the link)"
+            )
+        elif smoke.get("ok"):
             lines.append(
                 f"smoke test   all_reduce on {smoke['ranks']} rank(s) "
                 f"({smoke['backend']}): correct; {smoke['bytes'] // 2**20} MiB in "

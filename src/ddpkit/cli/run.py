@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     config.add_options(p, os.environ)
     config.add_switches(p, os.environ)
-    torchrun_flags.add_flags(p)
+    torchrun_flags.add_flags(p, os.environ)
     p.add_argument("-m", "--module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument(
         "--no-python",

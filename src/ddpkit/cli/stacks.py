@@ -22,23 +22,10 @@ def run(args: argparse.Namespace) -> int:
     import psutil
 
     from ddpkit import protocol
-    from ddpkit.errors import ConfigError
     from ddpkit.launch import hang
-    from ddpkit.procs import list_training_processes
+    from ddpkit.procs import job_workers
 
-    workers = [p for p in list_training_processes() if p.role == "worker"]
-    jobs = sorted({p.job for p in workers})
-    job = args.job or (jobs[0] if len(jobs) == 1 else None)
-    if job is None:
-        raise ConfigError(
-            "no running training job"
-            if not jobs
-            else f"{len(jobs)} jobs are running: {', '.join(jobs)}",
-            fix="name one: `ddpkit stacks JOB` (see `ddpkit ps`)",
-        )
-    mine = [p for p in workers if p.job == job]
-    if not mine:
-        raise ConfigError(f"no job {job!r} on this machine", fix="see `ddpkit ps` for jobs")
+    _, mine = job_workers(args.job, "stacks")
     by_dir: dict[str, list[SimpleNamespace]] = {}
     for p in mine:
         state_dir = psutil.Process(p.pid).environ().get(protocol.STATE_DIR)
@@ -49,8 +36,10 @@ def run(args: argparse.Namespace) -> int:
             SimpleNamespace(rank=int(p.rank), proc=SimpleNamespace(pid=p.pid), exit_code=None)
         )
     for state_dir, ranks in by_dir.items():
-        line, details = hang.describe(sorted(ranks, key=lambda r: r.rank), Path(state_dir), stall=0)
-        print(line.split(": ", 1)[1])
+        line, details = hang.describe(
+            sorted(ranks, key=lambda r: r.rank), Path(state_dir), stall=0, hung=False
+        )
+        print(line)
         print(details)
         print(f"full dumps: {state_dir}/rank*.stacks")
     return 0

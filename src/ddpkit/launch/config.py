@@ -1,33 +1,35 @@
-"""argv (and DDPKIT_* variables) -> a checked, frozen LaunchConfig. Nothing starts here.
+"""argv (and DDPKIT_* and PET_* variables) -> a checked, frozen LaunchConfig. Nothing starts
+here.
 
 Every flag can come from an environment variable named DDPKIT_<FLAG> (dashes as
-underscores, e.g. DDPKIT_NPROC_PER_NODE=2); a flag on the command line wins.
+underscores, e.g. DDPKIT_NPROC_PER_NODE=2); a flag on the command line wins. The options
+torchrun has are also read, as torchrun reads them, from PET_<TORCHRUN'S NAME> (PET_NNODES,
+PET_NODE_RANK, PET_NPROC_PER_NODE, PET_MASTER_ADDR, PET_MASTER_PORT, PET_RDZV_ENDPOINT...):
+what Kubernetes jobs (Kubeflow's PyTorchJob and Trainer) set for torchrun. Command line first,
+then DDPKIT_<FLAG>, then PET_*, then the default.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import shutil
 import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from ddpkit.env import LOOPBACK, _int, slurm_hosts, slurm_port
 from ddpkit.errors import ConfigError
 from ddpkit.gpus import visible_gpu_count
-from ddpkit.launch import torchrun_flags
+from ddpkit.launch import torchrun_flags, values
 from ddpkit.launch.torchrun_flags import TorchrunOptions
 
 TargetKind = Literal["script", "module", "command"]
 DAY, WEEK = 86400.0, 7 * 86400.0  # the longest grace, and the longest timeouts
 MAX_NODES = 100_000
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 __all__ = ["LaunchConfig", "add_options", "add_switches", "build", "from_args", "replace"]
 
 # flag -> (default, help); the environment variable is DDPKIT_ + flag in upper snake case.
@@ -76,6 +78,26 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
         "seconds without progress on every rank before the job is called "
         "hung, its stacks shown and it is stopped; 0 turns this off",
     ),
+    "straggler-threshold": (
+        "1.2",
+        "a rank whose own time per step (data, compute, host) stays this many times the "
+        "median rank's is named as a straggler; 0 turns the verdicts off",
+    ),
+    "straggler-window": ("50", "steps of each rank a straggler verdict looks at"),
+}
+# ddpkit option -> torchrun's name for it, read from PET_<NAME> as torchrun does
+TORCHRUN_NAMES: dict[str, str] = {
+    "nproc-per-node": "nproc_per_node",
+    "nnodes": "nnodes",
+    "node-rank": "node_rank",
+    "rdzv": "rdzv_endpoint",
+    "rdzv-conf": "rdzv_conf",
+    "master-addr": "master_addr",
+    "master-port": "master_port",
+    "local-addr": "local_addr",
+    "max-restarts": "max_restarts",
+    "run-id": "rdzv_id",
+    "log-dir": "log_dir",
 }
 # flag -> help; DDPKIT_<FLAG>=1 turns it on
 SWITCHES: dict[str, str] = {
@@ -111,6 +133,8 @@ class LaunchConfig:
     run_id_given: bool = False
     master_addr_given: bool = False
     hang_timeout: float = 300.0
+    straggler_threshold: float = 1.2
+    straggler_window: int = 50
     check_collectives: bool = False
     torchrun: TorchrunOptions = TorchrunOptions()  # what torchrun's own flags asked for
     raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
@@ -130,12 +154,13 @@ def add_options(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> 
         elif "-" in flag:
             names.append(f"--{flag.replace('-', '_')}")  # torchrun's spelling
         names += torchrun_flags.ALIASES.get(flag, ())
+        pet = f" or ${pet_variable(flag)}" if flag in TORCHRUN_NAMES else ""
         parser.add_argument(
             *names,
             dest=flag.replace("-", "_"),
             metavar=flag.split("-")[-1].upper(),
-            default=environ.get(var, default),
-            help=f"{text} [${var}]",
+            default=from_environment(flag, environ, default),
+            help=f"{text} [${var}{pet}]",
         )
 
 
@@ -151,6 +176,20 @@ def variable(flag: str) -> str:
     return "DDPKIT_" + flag.upper().replace("-", "_")
 
 
+def pet_variable(flag: str) -> str:
+    """torchrun's variable for an option it has (PET_NNODES), as torchrun reads it."""
+    return "PET_" + TORCHRUN_NAMES[flag].upper()
+
+
+def from_environment(flag: str, environ: Mapping[str, str], default: str | None) -> str | None:
+    """An option's value when the command line does not give it: DDPKIT_<OPTION>, then
+    torchrun's PET_<NAME>, then the default."""
+    value = environ.get(variable(flag))
+    if value is None and flag in TORCHRUN_NAMES:
+        value = environ.get(pet_variable(flag))
+    return default if value is None else value
+
+
 def build(
     kind: TargetKind,
     target: str,
@@ -163,7 +202,7 @@ def build(
     For the commands that launch a job themselves (demo, bench, doctor)."""
     env = os.environ if environ is None else environ
     values: dict[str, object] = {
-        flag.replace("-", "_"): env.get(variable(flag), default)
+        flag.replace("-", "_"): from_environment(flag, env, default)
         for flag, (default, _) in OPTIONS.items()
     }
     values.update(
@@ -188,11 +227,21 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     kind, target, rest = _target(args)
     min_nodes, nnodes, node_rank, master_addr, master_port = _nodes(args, env)
     nproc, backend = _nproc(args.nproc_per_node, env)
-    max_restarts = _number(args.max_restarts, "--max-restarts", int, minimum=0, maximum=1000)
+    max_restarts = values.number(args.max_restarts, "--max-restarts", int, minimum=0, maximum=1000)
     if min_nodes != nnodes and not args.rdzv:
         raise ConfigError(
             f"--nnodes {min_nodes}:{nnodes} (elastic membership) needs --rdzv",
             fix="add --rdzv HOST:PORT (the same on every node), or give one node count",
+        )
+    threshold = str(args.straggler_threshold).strip()
+    if (
+        threshold not in ("0", "0.0")
+        and values.number(threshold, "--straggler-threshold", float, minimum=0) <= 1
+    ):
+        raise ConfigError(
+            f"--straggler-threshold {threshold} is not above 1: it is a factor over the median "
+            "rank's time",
+            fix="e.g. --straggler-threshold 1.2 (a rank 20% slower), or 0 to turn verdicts off",
         )
     if getattr(args, "standalone", False) and nnodes > 1:
         raise ConfigError(
@@ -214,23 +263,35 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         nnodes=nnodes,
         min_nodes=min_nodes,
         node_rank=node_rank,
-        rdzv=_endpoint(args.rdzv) if args.rdzv else None,
-        rdzv_conf=_rdzv_conf(args.rdzv_conf) if args.rdzv_conf else (),
+        rdzv=values.endpoint(args.rdzv) if args.rdzv else None,
+        rdzv_conf=values.rdzv_conf(args.rdzv_conf) if args.rdzv_conf else (),
         master_addr=master_addr,
         master_port=master_port,
         max_restarts=max_restarts,
-        node_timeout=_number(args.node_timeout, "--node-timeout", float, minimum=1, maximum=DAY),
+        node_timeout=values.number(
+            args.node_timeout, "--node-timeout", float, minimum=1, maximum=DAY
+        ),
         local_addr=args.local_addr or None,
-        grace=_number(args.grace, "--grace", float, minimum=0, maximum=DAY),
-        init_timeout=_number(args.init_timeout, "--init-timeout", float, minimum=0.1, maximum=WEEK),
+        grace=values.number(args.grace, "--grace", float, minimum=0, maximum=DAY),
+        init_timeout=values.number(
+            args.init_timeout, "--init-timeout", float, minimum=0.1, maximum=WEEK
+        ),
         log_dir=Path(args.log_dir).expanduser() if args.log_dir else None,
-        ranks=_ranks(args.ranks, nproc * nnodes) if args.ranks else None,
-        stdin=_stdin(args.stdin),
-        run_id=_run_id(args.run_id) if args.run_id else uuid.uuid4().hex[:8],
+        ranks=values.ranks(args.ranks, nproc * nnodes) if args.ranks else None,
+        stdin=values.stdin(args.stdin),
+        run_id=values.run_id(args.run_id) if args.run_id else uuid.uuid4().hex[:8],
         omp_threads=None if "OMP_NUM_THREADS" in env else _omp_threads(nproc),
         run_id_given=bool(args.run_id),
         master_addr_given=bool(args.master_addr),
-        hang_timeout=_number(args.hang_timeout, "--hang-timeout", float, minimum=0, maximum=WEEK),
+        hang_timeout=values.number(
+            args.hang_timeout, "--hang-timeout", float, minimum=0, maximum=WEEK
+        ),
+        straggler_threshold=values.number(
+            args.straggler_threshold, "--straggler-threshold", float, minimum=0, maximum=100
+        ),
+        straggler_window=values.number(
+            args.straggler_window, "--straggler-window", int, minimum=4, maximum=100_000
+        ),
         check_collectives=bool(getattr(args, "check_collectives", False)),
         torchrun=torchrun or TorchrunOptions(),
     )
@@ -287,10 +348,12 @@ def _nproc(value: str, env: Mapping[str, str]) -> tuple[int, str]:
                 fix="use -n cpu (or a number) to run on the CPU with gloo",
             )
         return gpus, "nccl"
-    n = _number(value, "-n/--nproc-per-node", int, minimum=1, allowed="a number, gpu, cpu or auto")
+    n = values.number(
+        value, "-n/--nproc-per-node", int, minimum=1, allowed="a number, gpu, cpu or auto"
+    )
     limit = _nproc_limit(env)
     if not gpus and n > limit:
-        cores = _cores()
+        cores = values.cores()
         raise ConfigError(
             f"-n {n} starts {n} CPU processes on {cores} core(s); past {limit} they only "
             "fight for the cores and memory (each rank holds its own torch)",
@@ -309,8 +372,8 @@ def _nodes(
     args: argparse.Namespace, env: Mapping[str, str]
 ) -> tuple[int, int, int | None, str, int]:
     low, sep, high = str(args.nnodes).partition(":")
-    nnodes = _number(high if sep else low, "--nnodes", int, minimum=1, maximum=MAX_NODES)
-    min_nodes = _number(low, "--nnodes", int, minimum=1, maximum=MAX_NODES) if sep else nnodes
+    nnodes = values.number(high if sep else low, "--nnodes", int, minimum=1, maximum=MAX_NODES)
+    min_nodes = values.number(low, "--nnodes", int, minimum=1, maximum=MAX_NODES) if sep else nnodes
     if min_nodes > nnodes:
         raise ConfigError(
             f"--nnodes {args.nnodes}: MIN is larger than MAX", fix="e.g. --nnodes 2:4"
@@ -318,10 +381,10 @@ def _nodes(
     node_rank = (
         None
         if args.node_rank is None
-        else _number(args.node_rank, "--node-rank", int, minimum=0, maximum=MAX_NODES)
+        else values.number(args.node_rank, "--node-rank", int, minimum=0, maximum=MAX_NODES)
     )
     master_addr = args.master_addr or LOOPBACK
-    master_port = _number(args.master_port, "--master-port", int, minimum=0)
+    master_port = values.number(args.master_port, "--master-port", int, minimum=0)
     if master_port > 65535:
         raise ConfigError(
             f"--master-port {master_port} is not a TCP port (1-65535)",
@@ -355,119 +418,12 @@ def _nodes(
     return min_nodes, nnodes, node_rank, master_addr, master_port
 
 
-def _endpoint(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--rdzv {text!r} is not HOST:PORT", fix="e.g. --rdzv node0:29400")
-    return text
-
-
-RDZV_SETTINGS = (
-    "join_timeout",
-    "last_call_timeout",
-    "close_timeout",
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "read_timeout",
-    "timeout",
-    "is_host",
-)
-
-
-def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
-    pairs = []
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not part.strip():
-            continue
-        if not sep or key not in RDZV_SETTINGS or not value.strip():
-            raise ConfigError(
-                f"--rdzv-conf {text!r}: {part.strip()!r} is not KEY=VALUE with a known key",
-                fix=f"keys: {', '.join(RDZV_SETTINGS)}; e.g. --rdzv-conf last_call_timeout=5",
-            )
-        pairs.append((key, value.strip()))
-    return tuple(pairs)
-
-
-def _stdin(text: str) -> str:
-    word = str(text).strip().lower()
-    if word in ("auto", "none") or (word.isdigit() and len(word) < 7):
-        return word
-    raise ConfigError(
-        f"--stdin {text!r} is not a rank, none or auto", fix="e.g. --stdin 0, or --stdin none"
-    )
-
-
-def _ranks(text: str, world: int) -> frozenset[int]:
-    try:
-        ranks = frozenset(int(r) for r in text.split(",") if r.strip())
-    except ValueError:
-        ranks = frozenset({-1})
-    if not ranks or min(ranks) < 0 or max(ranks) >= world:
-        raise ConfigError(
-            f"--ranks {text!r} is not a list of ranks of this job (0 to {world - 1})",
-            fix="e.g. --ranks 0 or --ranks 0,1",
-        )
-    return ranks
-
-
-def _run_id(text: str) -> str:
-    if not RUN_ID.fullmatch(text) or ".." in text:
-        raise ConfigError(
-            f"--run-id {text[:80]!r} is not a job id: letters, digits, '.', '_' and '-', "
-            "at most 64, starting with a letter or digit",
-            fix="e.g. --run-id exp42-lr3e-4",
-        )
-    return text
-
-
-def _number(
-    value: object,
-    flag: str,
-    kind: type,
-    minimum: float,
-    allowed: str = "",
-    maximum: float | None = None,
-) -> Any:
-    """A finite number of `kind` in [minimum, maximum], or a ConfigError naming the flag."""
-    try:
-        number = kind(str(value).strip()) if kind is float else kind(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ConfigError(
-            f"{flag} {value!r} is not {allowed or 'a number'}",
-            fix=f"see `ddpkit run --help` for {flag}",
-        ) from None
-    if kind is float and not math.isfinite(number):
-        raise ConfigError(
-            f"{flag} {value!r} is not a finite number of seconds",
-            fix=f"give {flag} a number of seconds" + (" (0: off)" if "hang" in flag else ""),
-        )
-    if number < minimum:
-        raise ConfigError(
-            f"{flag} {value!r} must be at least {minimum:g}",
-            fix=f"see `ddpkit run --help` for {flag}",
-        )
-    if maximum is not None and number > maximum:
-        raise ConfigError(
-            f"{flag} {value!r} is more than {maximum:g}",
-            fix=f"use a value up to {maximum:g}",
-        )
-    return number
-
-
-def _cores() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores or 1
-
-
 def _nproc_limit(env: Mapping[str, str]) -> int:
     """CPU processes per node: 4 per core (at least 8), or DDPKIT_NPROC_LIMIT."""
     raw = env.get("DDPKIT_NPROC_LIMIT", "").strip()
     if raw:
-        return int(_number(raw, "DDPKIT_NPROC_LIMIT", int, minimum=1, maximum=100_000))
-    return max(8, 4 * _cores())
+        return int(values.number(raw, "DDPKIT_NPROC_LIMIT", int, minimum=1, maximum=100_000))
+    return max(8, 4 * values.cores())
 
 
 def _check_module(name: str) -> None:
@@ -488,4 +444,4 @@ def _check_module(name: str) -> None:
 
 
 def _omp_threads(nproc: int) -> int:
-    return max(1, _cores() // nproc)
+    return max(1, values.cores() // nproc)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 
 from ddpkit.launch import hang
 from ddpkit.launch.config import LaunchConfig
@@ -111,7 +112,11 @@ def publish_places(node: NodeGroup, places: dict[int, tuple[str, str]], details:
 
 
 def collect_places(
-    node: NodeGroup, own: dict[int, tuple[str, str]], own_details: str, ranks_per_node: int
+    node: NodeGroup,
+    own: dict[int, tuple[str, str]],
+    own_details: str,
+    ranks_per_node: int,
+    stop: Callable[[], bool] = bool,
 ) -> tuple[dict[int, tuple[str, str]], dict[int, str], str]:
     """Node 0: every node's places (rank -> (what, where)), every rank's host, and the details
     text; a node that does not answer within PLACES_WAIT is named as such."""
@@ -121,7 +126,7 @@ def collect_places(
     deadline = time.monotonic() + PLACES_WAIT
     waiting = set(range(1, node.nnodes))
     answers: dict[int, dict] = {}
-    while waiting and time.monotonic() < deadline:
+    while waiting and time.monotonic() < deadline and not stop():
         for n in sorted(waiting):
             with contextlib.suppress(StoreUnreachableError):
                 if node.store.has(f"hang/places/{n}"):

@@ -15,16 +15,21 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ddpkit import protocol
 
 
-def _paths(state_dir: Path, rank: int | str) -> tuple[Path, Path]:
-    return (
-        protocol.state_path(state_dir, rank, protocol.FLIGHT_REQUEST),
-        protocol.state_path(state_dir, rank, protocol.FLIGHT_DUMP),
+def _paths(state_dir: Path, rank: int | str, full: bool = True) -> tuple[Path, Path]:
+    request, answer = (
+        (protocol.FLIGHT_REQUEST, protocol.FLIGHT_DUMP)
+        if full
+        else (protocol.FLIGHT_STATUS_REQUEST, protocol.FLIGHT_STATUS_DUMP)
+    )
+    return protocol.state_path(state_dir, rank, request), protocol.state_path(
+        state_dir, rank, answer
     )
 
 
@@ -33,15 +38,18 @@ def ready_file(state_dir: Path, rank: int | str) -> Path:
     return protocol.state_path(state_dir, rank, protocol.FLIGHT_READY)
 
 
-def request(ranks: list[int], state_dir: Path, wait: float = 8.0) -> dict[int, Any]:
-    """Launcher side: rank -> the unpickled dump, for the ranks that answered in time."""
+def request(
+    ranks: list[int], state_dir: Path, wait: float = 8.0, stop: Callable[[], bool] = bool
+) -> dict[int, Any]:
+    """Launcher side: rank -> the unpickled dump, for the ranks that answered in time (before
+    `wait` s passed, or `stop()` said to give up)."""
     for rank in ranks:
         request_file, out = _paths(state_dir, rank)
         out.unlink(missing_ok=True)
         request_file.touch()
     dumps: dict[int, Any] = {}
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and len(dumps) < len(ranks):
+    while time.monotonic() < deadline and len(dumps) < len(ranks) and not stop():
         time.sleep(0.1)
         for rank in ranks:
             out = _paths(state_dir, rank)[1]
@@ -84,14 +92,14 @@ def summarize(dump: Any, last: int = 3) -> list[str]:
 def ask(state_dir: Path, rank: int) -> None:
     """Request the process groups' status without waiting (the hang watch reads it at its
     next sample)."""
-    request_file, out = _paths(state_dir, rank)
+    request_file, out = _paths(state_dir, rank, full=False)
     out.unlink(missing_ok=True)
-    request_file.write_text(protocol.FLIGHT_STATUS)
+    request_file.touch()
 
 
 def answer(state_dir: Path, rank: int) -> Any | None:
     """The dump a rank wrote after `ask`, or None if it has not (yet)."""
-    out = _paths(state_dir, rank)[1]
+    out = _paths(state_dir, rank, full=False)[1]
     try:
         return pickle.loads(out.read_bytes())  # noqa: S301 - written by our own rank
     except Exception:
@@ -120,10 +128,12 @@ def progress_state(dump: Any) -> tuple[int, Any]:
 
 
 def pending(dump: Any) -> str | None:
-    """The oldest collective this rank issued that has not completed, if any."""
+    """The oldest collective this rank issued that has not completed, if any, with its backend:
+    'nccl:all_reduce #6 (scheduled)'."""
     entries = dump.get("entries", []) if isinstance(dump, dict) else []
     status = dump.get("pg_status") or {} if isinstance(dump, dict) else {}
     for e in entries:
         if not _completed(e, status):
-            return f"{_op(e)} #{e.get('collective_seq_id', '?')} ({e.get('state')})"
+            name = str(e.get("profiling_name", "?"))
+            return f"{name} #{e.get('collective_seq_id', '?')} ({e.get('state')})"
     return None

@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import psutil
 
 from ddpkit import protocol
-from ddpkit.frames import is_bootstrap, is_library, torch_module
+from ddpkit.frames import is_bootstrap, is_framework, is_library, torch_module
 from ddpkit.launch import flight
 from ddpkit.ranges import ranks_text
 
@@ -169,8 +170,11 @@ def tree_usage(pid: int) -> tuple[float, int]:
 # -- stacks ------------------------------------------------------------------------------
 
 
-def dump_stacks(pids: dict[int, int], state_dir: Path, wait: float = 3.0) -> dict[int, str]:
-    """Ask each rank (rank -> pid) for its stacks; return rank -> the text it wrote."""
+def dump_stacks(
+    pids: dict[int, int], state_dir: Path, wait: float = 3.0, stop: Callable[[], bool] = bool
+) -> dict[int, str]:
+    """Ask each rank (rank -> pid) for its stacks; return rank -> the text it wrote (what came
+    before `wait` s passed or `stop()` said to give up)."""
     sizes = {}
     for rank, pid in pids.items():
         path = protocol.state_path(state_dir, rank, protocol.STACKS)
@@ -179,7 +183,7 @@ def dump_stacks(pids: dict[int, int], state_dir: Path, wait: float = 3.0) -> dic
             os.kill(pid, protocol.STACKS_SIGNAL)
     texts: dict[int, str] = {}
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and len(texts) < len(pids):
+    while time.monotonic() < deadline and len(texts) < len(pids) and not stop():
         time.sleep(0.1)
         for rank in pids:
             path = protocol.state_path(state_dir, rank, protocol.STACKS)
@@ -229,37 +233,83 @@ def main_thread(threads: list[list[Frame]]) -> list[Frame]:
 
 
 def user_frames(frames: list[Frame]) -> list[Frame]:
+    """Frames outside torch, ddpkit and Python: the script's, and the frameworks' it runs in."""
     return [f for f in frames if not is_library(f.file)]
 
 
-# -- verdict -----------------------------------------------------------------------------
+def scripts_frames(frames: list[Frame]) -> list[Frame]:
+    """The user's own frames: not library code, nor an installed framework's."""
+    return [f for f in frames if not is_library(f.file) and not is_framework(f.file)]
+
+
+def shown_frames(frames: list[Frame], inner: int = 6) -> list[str]:
+    """The frames a report shows of a stack, innermost first: the innermost outside torch,
+    ddpkit and Python, and every frame of the script's own (a framework's loop can be deep)."""
+    outside = user_frames(frames)
+    script = set(map(id, scripts_frames(frames)))
+    shown = [str(f) for f in outside[:inner]]
+    rest = [f for f in outside[inner:] if id(f) in script]
+    if rest:
+        skipped = len(outside) - inner - len(rest)
+        shown += [f"... {skipped} frame(s) of installed packages"] if skipped else []
+        shown += [str(f) for f in rest]
+    return shown
+
+
+def code_site(frames: list[Frame]) -> str:
+    """Where in the user's code a stack stands: the innermost line of the script; inside a
+    framework (Lightning, Trainer), the framework's innermost line and the script's line that
+    called into it ('trainer.py:123 in _inner_loop, from train.py:40')."""
+    outside = user_frames(frames)
+    if not outside:
+        return "?"
+    innermost = outside[0]
+    if not is_framework(innermost.file):
+        return innermost.site
+    script = scripts_frames(frames)
+    return f"{innermost} from {script[0].site}" if script else str(innermost)
 
 
 def where(
     rank_frames: list[Frame],
     record: protocol.Record | None,
     exit_code: int | None,
-    nccl_pending: str | None = None,
+    pending: str | None = None,
+    hung: bool = False,
 ) -> tuple[str, str]:
-    """(what the rank does, where) for one rank."""
+    """(what the rank does, where) for one rank, decided by its stack. The progress record and
+    the flight recorder's pending collective are evidence, printed beside the stack; they decide
+    only when the rank gave no stack, and an NCCL collective pending through a hang: NCCL
+    returns at once, so such a rank's host waits at its next sync, wherever that is."""
     if exit_code is not None:
         return f"has exited (code {exit_code})", ""
-    mine = user_frames(rank_frames)
-    site = mine[0].site if mine else "?"
-    if record is not None and record.in_collective:
-        return f"wait in {record.op}", record.site or site
-    if nccl_pending:  # NCCL collectives return at once; the recorder knows they never ended
-        return f"wait in {nccl_pending.split()[0]}", (record.site if record else "") or site
+    if not rank_frames:
+        site = record.site if record is not None else ""
+        if record is not None and record.in_collective:
+            return f"wait in {record.op}", site
+        if pending and hung:
+            return f"wait in {pending.split()[0].split(':', 1)[-1]}", site
+        return "gave no stack", site
+    site = code_site(rank_frames)
     modules = [(f, torch_module(f.file) or "") for f in rank_frames]
     for f, module in modules:
         if f.func in protocol.COLLECTIVES and module.startswith("distributed/"):
             return f"wait in {f.func}", site
     if any(module.startswith("utils/data/") for _, module in modules):
         return "wait for a DataLoader batch", site
-    if any(module == "_tensor.py" and f.func == "backward" for f, module in modules):
-        # still in backward with no CPU used: DDP's reducer all-reduces gradients in there
-        return "wait in all_reduce", site
-    func = mine[0].func if mine else (rank_frames[0].func if rank_frames else "?")
+    in_backward = any(
+        (module == "_tensor.py" and f.func == "backward")
+        or (module.startswith("autograd/") and f.func in ("backward", "_engine_run_backward"))
+        for f, module in modules
+    )
+    if in_backward:
+        # DDP's reducer all-reduces gradients inside backward: through a hang (no CPU used),
+        # that is where the rank waits; in a live job's snapshot, it computes gradients
+        return ("wait in all_reduce" if hung else "is in backward"), site
+    if pending and hung and pending.startswith("nccl:"):
+        return f"wait in {pending.split()[0].split(':', 1)[1]}", site
+    innermost = user_frames(rank_frames)
+    func = innermost[0].func if innermost else rank_frames[0].func
     return f"is elsewhere: {func}", site
 
 
@@ -292,29 +342,38 @@ def _singular(what: str) -> str:
     return re.sub(r"^wait\b", "waits", what)
 
 
-def collect(workers: list[Any], state_dir: Path) -> tuple[dict[int, tuple[str, str]], str]:
-    """Collect stacks and records of this node's ranks: rank -> (what, where), and details
-    with per-rank stacks."""
+def collect(
+    workers: list[Any], state_dir: Path, hung: bool = True, stop: Callable[[], bool] = bool
+) -> tuple[dict[int, tuple[str, str]], str]:
+    """Collect stacks and records of this node's ranks: rank -> (what, where), and details:
+    each rank's stack, then the evidence beside it (its progress record, its flight recorder).
+    hung=False reads a live job (`ddpkit stacks`): a rank in backward computes there."""
     alive = {w.rank: w.proc.pid for w in workers if w.exit_code is None}
-    texts = dump_stacks(alive, state_dir)
+    texts = dump_stacks(alive, state_dir, stop=stop)  # stop: a signal cuts the waits short
     served = [r for r in alive if flight.ready_file(state_dir, r).exists()]
-    recorded = flight.request(served, state_dir) if served else {}
+    recorded = flight.request(served, state_dir, stop=stop) if served and not stop() else {}
     places, details = {}, []
     for w in workers:
         record = protocol.read_record(state_dir, w.rank)
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
         in_flight = flight.pending(recorded[w.rank]) if w.rank in recorded else None
-        places[w.rank] = where(frames, record, w.exit_code, in_flight)
-        mine = user_frames(frames)
+        places[w.rank] = where(frames, record, w.exit_code, in_flight, hung)
         what, site = places[w.rank]
         details.append(f"  rank {w.rank} {_singular(what)}" + (f" at {site}" if site else ""))
-        if record is not None and record.in_collective and record.shapes:
+        details.extend(f"    {f}" for f in shown_frames(frames))
+        if record is not None and record.in_collective:
+            shapes = f" with shapes {record.shapes}" if record.shapes else ""
             details.append(
-                f"    in {record.op} with shapes {record.shapes} for "
-                f"{time.time() - record.since:.0f} s"
+                f"    progress record: in {record.op}{shapes} since "
+                f"{time.time() - record.since:.0f} s, called at {record.site}"
             )
-        details.extend(f"    {f}" for f in mine[:8])
+        elif record is not None and record.op:
+            details.append(
+                f"    progress record: last collective {record.op} at {record.site} (returned)"
+            )
         if w.rank in recorded:
+            if in_flight:
+                details.append(f"    flight recorder: not completed: {in_flight}")
             details.extend(
                 f"    flight recorder: {line}" for line in flight.summarize(recorded[w.rank])
             )
@@ -323,7 +382,15 @@ def collect(workers: list[Any], state_dir: Path) -> tuple[dict[int, tuple[str, s
     return places, "\n".join(details)
 
 
-def describe(workers: list[Any], state_dir: Path, stall: float) -> tuple[str, str]:
+def describe(
+    workers: list[Any],
+    state_dir: Path,
+    stall: float,
+    hung: bool = True,
+    stop: Callable[[], bool] = bool,
+) -> tuple[str, str]:
     """(verdict line, details with per-rank stacks) for this node's ranks."""
-    places, details = collect(workers, state_dir)
+    places, details = collect(workers, state_dir, hung, stop)
+    if not hung:
+        return verdict(places), details
     return f"no rank made progress for {stall:.0f} s: {verdict(places)}", details

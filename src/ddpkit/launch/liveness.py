@@ -89,6 +89,10 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, daemon=True, name="ddpkit-liveness")
         self._done_nodes: set[int] = set()
         self.all_done = threading.Event()
+        # the speed doctor's traffic: this node's ranks' summaries (JSON) to send, and node 0's
+        # copy of every other node's
+        self.speed_out: str | None = None
+        self.speed_in: dict[int, str] = {}
 
     def start(self) -> None:
         # an elastic job of one node so far still watches for nodes that want to join
@@ -123,6 +127,11 @@ class Liveness:
                     self._watch_nodes(store, seen)
                     if self.elastic and self.beats % 2 == 0:
                         self._watch_membership(store)
+                    if self.beats % 2 == 1:
+                        self._read_speed(store)
+                elif self.speed_out is not None and self.beats % 2 == 0:
+                    store.set(f"speed/{me}", self.speed_out)
+                    self.speed_out = None
                 elif not self.hang_asked and store.has(HANG_ASK):
                     self.hang_asked = True
                 if self.abort is None and store.has("abort"):
@@ -184,6 +193,13 @@ class Liveness:
                 except StoreUnreachableError:
                     pass
                 return
+
+    def _read_speed(self, store: BoundedStore) -> None:
+        """Node 0: the other nodes' step summaries, in one call where torch has multi_get."""
+        names = [f"speed/{n}" for n in range(1, self.node.nnodes)]
+        present = [n for n in names if store.has(n)]
+        for name in present:
+            self.speed_in[int(name.split("/")[1])] = store.get(name)
 
     def _watch_membership(self, store: BoundedStore) -> None:
         """Node 0, elastic jobs: nodes waiting at the rendezvous mean a new round for all, as

@@ -15,10 +15,13 @@ Liveness and the end of a job: `ddpkit.launch.liveness`. Every store call is bou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +69,29 @@ class NodeGroup:
     def host_of(self, node: int) -> str:
         return self.hosts[node] if node < len(self.hosts) else f"node {node}"
 
-    def serve_store(self, timeout: float) -> None:
-        """On one node: turn the held port into the workers' store (once)."""
-        if self.server is None and self.held is not None:
-            self.server, self.held = serve(self.held, self.master_addr, timeout), None
+    def serve_store(self, timeout: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """On one node: turn the held port into the workers' store (once). The store's own
+        client dials it on loopback (the port listens there whatever --master-addr is); the
+        call runs on a thread, so a signal is answered while it does (`stop` says when to
+        give up waiting)."""
+        if self.server is not None or self.held is None:
+            return
+        held, self.held = self.held, None
+        box: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                box["server"] = serve(held, "127.0.0.1", timeout)
+            except BaseException as err:  # handed to the caller
+                box["error"] = err
+
+        thread = threading.Thread(target=make, daemon=True, name="ddpkit-serve-store")
+        thread.start()
+        while thread.is_alive() and not stop():
+            thread.join(0.05)
+        if "error" in box:
+            raise box["error"]
+        self.server = box.get("server")
 
     def close(self) -> None:
         if self.held is not None:
@@ -82,7 +104,11 @@ class NodeGroup:
 
 def join(cfg: LaunchConfig) -> NodeGroup:
     """Meet the other nodes (if any): this node's rank, the job's store, every node's host."""
+    if cfg.master_addr_given:
+        _resolve(cfg.master_addr)
     if not cfg.multi_node:
+        if cfg.master_addr_given:
+            _check_this_machine(cfg.master_addr)
         held = listen(bind_host(cfg.master_addr), cfg.master_port)
         return NodeGroup(
             master_addr=cfg.master_addr,
@@ -247,12 +273,30 @@ def _resolve(host: str) -> None:
     """A node-0 address that names no machine is a usage error, found before anything waits."""
     try:
         bounded(lambda: socket.getaddrinfo(host, None), CALL_LIMIT, f"looking up {host}")
-    except StoreUnreachableError as err:
+    except StoreUnreachableError as err:  # unknown (EAI_NONAME), or DNS did not answer
         raise ConfigError(
             f"--master-addr {host!r} does not name a machine ({_cause(err)})",
             fix="give node 0's host name or address as every node resolves it (see /etc/hosts "
             "or DNS), the same on every node",
         ) from None
+
+
+def _check_this_machine(host: str) -> None:
+    """One node serves the job's store itself: its --master-addr must be one of its own."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return  # _resolve said it resolves
+    for family, _, _, _, address in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address[0], 0))
+            return
+    raise ConfigError(
+        f"--master-addr {host!r} is not an address of this machine, and a one-node job serves "
+        "its store here",
+        fix="leave --master-addr out for a one-node job (ddpkit uses loopback), or give this "
+        "machine's address; for several nodes add --nnodes N --node-rank K",
+    )
 
 
 def _left(deadline: float) -> float:

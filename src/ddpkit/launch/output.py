@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,17 +37,42 @@ TAIL_LINE_BYTES = 4096  # the report keeps at most this much of one line
 CHUNK = 1 << 16
 HOLD_MS = 100  # a partial line (a prompt) is shown after this long without more output
 DRAIN_IDLE = 2.0  # at close: stop reading once the pipe gave nothing for this long
+BAR_EVERY = 5.0  # seconds between the states of a progress bar written to a log
+
+
+@dataclass
+class Bar:
+    """A line a rank keeps redrawing with carriage returns (a progress bar), in a log."""
+
+    text: bytes = b""  # its latest state
+    written: bool = False  # that state is in the log already
+    shown_at: float = 0.0  # when a state of it was last written (0: never)
 
 
 class Console:
     """The launcher's stdout and stderr, shared by every rank, with the state of the line
-    the cursor is on (a terminal has one line, whichever stream wrote it)."""
+    the cursor is on (a terminal has one line, whichever stream wrote it).
+
+    On a terminal a carriage return redraws the line. Where the stream is not a terminal (a
+    file, a pipe, a SLURM job's output), a redrawn line (a progress bar) is written as whole
+    lines instead: its first state, then a state every BAR_EVERY seconds, then its last one,
+    each line prefixed once; blank redraws (a bar erased) write nothing."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.closed: str | None = None  # why the console stopped taking output
         self.owner: int | None = None  # the rank whose line is open (no newline yet)
         self.bare = False  # the open line holds only its prefix (after a carriage return)
+        self.bars: dict[tuple[int, int], Bar] = {}  # (rank, stream) -> its bar, in a log
+        self._tty: dict[int, bool] = {}
+
+    def is_terminal(self, stream: int) -> bool:
+        if stream not in self._tty:
+            try:
+                self._tty[stream] = (sys.stderr if stream == 2 else sys.stdout).isatty()
+            except (AttributeError, ValueError):
+                self._tty[stream] = False
+        return self._tty[stream]
 
     def write(self, rank: int, prefix: bytes, stream: int, data: bytes) -> None:
         out = _buffer(sys.stderr if stream == 2 else sys.stdout)
@@ -54,7 +80,10 @@ class Console:
             return
         with self.lock:
             try:
-                out.write(self._shape(rank, prefix, data))
+                if prefix and b"\r" in data and not self.is_terminal(stream):
+                    out.write(self._shape_log(rank, prefix, stream, data))
+                else:
+                    out.write(self._shape(rank, prefix, data))
                 out.flush()
             except (BrokenPipeError, ValueError):
                 self.closed = "the console's output was closed (a pipe that stopped reading?)"
@@ -90,6 +119,48 @@ class Console:
             self.owner = None if piece.endswith(b"\n") else rank
         return b"".join(parts)
 
+    def _shape_log(self, rank: int, prefix: bytes, stream: int, data: bytes) -> bytes:
+        """`data` for a log: whole prefixed lines, a redrawn line now and then (class doc)."""
+        out = bytearray()
+        bar = self.bars.get((rank, stream))
+        for piece in _pieces(data):
+            if not piece.startswith(b"\r"):
+                if bar is not None:  # a line printed while a bar was drawn: the bar first
+                    out += self._bar_line(prefix, bar, final=True)
+                    self.bars.pop((rank, stream), None)
+                    bar = None
+                out += self._shape(rank, prefix, piece)
+                continue
+            if self.owner is not None:  # an open partial line ends where a redraw begins
+                out += b"\n"
+                self.owner, self.bare = None, False
+            text = piece[1:].rstrip(b"\n").rstrip()  # tqdm pads a shorter state with spaces
+            ended = piece.endswith(b"\n")
+            if not text:  # the bar erased (or a bare \r\n): its last state stays in the log
+                if bar is not None:
+                    out += self._bar_line(prefix, bar, final=True)
+                    self.bars.pop((rank, stream), None)
+                    bar = None
+                continue
+            if bar is None:
+                bar = self.bars[(rank, stream)] = Bar()
+            bar.text, bar.written = text, False
+            if ended:
+                out += self._bar_line(prefix, bar, final=True)
+                self.bars.pop((rank, stream), None)
+                bar = None
+            elif not bar.shown_at or time.monotonic() - bar.shown_at >= BAR_EVERY:
+                out += self._bar_line(prefix, bar, final=False)
+        return bytes(out)
+
+    @staticmethod
+    def _bar_line(prefix: bytes, bar: Bar, final: bool) -> bytes:
+        """The bar's state as a line, unless that state is in the log already."""
+        if bar.written or not bar.text:
+            return b""
+        bar.written, bar.shown_at = True, time.monotonic()
+        return prefix + bar.text + b"\n"
+
     def line_ended(self, rank: int) -> None:
         """The terminal ended the rank's open line itself (the echo of a typed answer)."""
         with self.lock:
@@ -97,8 +168,18 @@ class Console:
                 self.owner, self.bare = None, False
 
     def end_line(self, rank: int) -> None:
-        """At a rank's end: close its open line (erase a lone prefix on a terminal)."""
+        """At a rank's end: close its open line (erase a lone prefix on a terminal); in a log,
+        write the last state of a bar it left drawn."""
         with self.lock:
+            for stream in (1, 2):
+                bar = self.bars.pop((rank, stream), None)
+                out = _buffer(sys.stderr if stream == 2 else sys.stdout)
+                if bar is not None and out is not None and not self.closed:
+                    try:
+                        out.write(self._bar_line(b"[rank %d] " % rank, bar, final=True))
+                        out.flush()
+                    except (OSError, ValueError):
+                        self.closed = "the console's output was closed"
             if self.owner != rank or self.closed:
                 return
             out = _buffer(sys.stdout)

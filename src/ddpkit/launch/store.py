@@ -118,21 +118,27 @@ def serve(sock: socket.socket, addr: str, timeout: float) -> Any:
     port = sock.getsockname()[1]
     fd = sock.detach()
     # libuv's server takes a listening fd from torch 2.8 on (pytorch#150215); before, it logs
-    # an error first, so older torch goes straight to the legacy server
+    # an error first, so older torch goes straight to the legacy server. Each try gets a copy
+    # of the fd: a server that fails may have closed the one it was given.
     for use_libuv in (True, False) if _torch_at_least(2, 8) else (False,):
+        attempt = os.dup(fd)
         try:
-            return dist.TCPStore(
+            server = dist.TCPStore(
                 addr,
                 port,
                 None,
                 True,
                 timedelta(seconds=timeout),
                 wait_for_workers=False,
-                master_listen_fd=fd,
+                master_listen_fd=attempt,
                 use_libuv=use_libuv,
             )
-        except (RuntimeError, ValueError, TypeError):
+        except (RuntimeError, ValueError, TypeError, OSError):
+            # not closed here: the failed server may have closed it, and its number may be
+            # another file's by now (one descriptor left open, once, at worst)
             continue
+        os.close(fd)
+        return server
     os.close(fd)
     from ddpkit.errors import LaunchError
 

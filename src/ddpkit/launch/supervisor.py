@@ -28,6 +28,7 @@ from ddpkit.launch.hang import HANG_EXIT_CODE
 from ddpkit.launch.liveness import BEAT, Abort, Liveness
 from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup, join
 from ddpkit.launch.output import CONSOLE
+from ddpkit.launch.speed import SpeedWatch
 from ddpkit.launch.workers import (
     FORWARDED,
     QUIETED,
@@ -132,6 +133,7 @@ def _run_attempt(
     run_dir = state_dir.parent
     state_dir.mkdir(mode=0o700)
     workers: list[Worker] = []
+    speed = None
     try:
         for local_rank in range(cfg.nproc_per_node):
             if signals.count:  # Ctrl+C or SIGTERM while starting: start no more
@@ -140,8 +142,19 @@ def _run_attempt(
             env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
             workers.append(start_worker(cfg, rank, env, run_dir))
             _tell_watchdog(watchdog, f"group {workers[-1].pgid}")
-        node.serve_store(cfg.init_timeout)  # one node: the workers' connections wait till now
-        outcome = _supervise(cfg, node, live, workers, state_dir, signals)
+        # one node: the workers' connections wait till now
+        node.serve_store(cfg.init_timeout, stop=lambda: signals.count > 0)
+        speed = SpeedWatch(
+            workers,
+            state_dir,
+            run_dir,
+            cfg.straggler_threshold,
+            cfg.straggler_window,
+            node.host,
+            live if node.multi_node else None,
+            node.group_rank,
+        )
+        outcome = _supervise(cfg, node, live, workers, state_dir, signals, speed)
         if node.multi_node and outcome.from_node is None and not outcome.ok:
             # this node knows why: the others stop for the same reason, before this node's
             # ranks go and theirs fail for want of a peer
@@ -155,6 +168,10 @@ def _run_attempt(
         for w in workers:
             w.output.close()
         end_orphans({w.proc.pid for w in workers}, watchdog.pid)
+    if speed is not None and not signals.count:
+        summary = speed.finish()
+        if summary:
+            _say(summary)
     outcome.finalize(workers, run_dir, state_dir)
     return outcome
 
@@ -166,6 +183,7 @@ def _supervise(
     workers: list[Worker],
     state_dir: Path,
     signals: Signals,
+    speed: SpeedWatch,
 ) -> report.Outcome:
     next_init_check = 0.0
     watch = hang.HangWatch(workers, state_dir, cfg.hang_timeout, live if node.multi_node else None)
@@ -205,9 +223,13 @@ def _supervise(
             answered_hang = True
             crossnode.publish_places(node, *hang.collect(workers, state_dir))
         if watch.hung(now):
-            return _hang_outcome(node, workers, state_dir, watch.stalled_for(now), cfg)
+            stall = watch.stalled_for(now)
+            return _hang_outcome(node, workers, state_dir, stall, cfg, signals)
         while watch.notes:
             _say(watch.notes.pop(0))
+        speed.sample(now)
+        while speed.notes:
+            _say(speed.notes.pop(0))
         if now >= next_init_check:
             next_init_check = now + 0.5
             missing = _missing_at_init(workers, state_dir, cfg.init_timeout)
@@ -232,15 +254,32 @@ def _cause_elsewhere(
 
 
 def _hang_outcome(
-    node: NodeGroup, workers: list[Worker], state_dir: Path, stall: float, cfg: LaunchConfig
+    node: NodeGroup,
+    workers: list[Worker],
+    state_dir: Path,
+    stall: float,
+    cfg: LaunchConfig,
+    signals: Signals,
 ) -> report.Outcome:
+    """The hang report; Ctrl+C or SIGTERM while it is collected cuts its waits short, so the
+    launcher still ends within its grace."""
+
+    def stop() -> bool:
+        return signals.count > 0
+
     if not node.multi_node:
-        line, details = hang.describe(workers, state_dir, stall)
-        return report.Outcome.hang(line, details, cfg.hang_timeout)
-    crossnode.ask_places(node)
-    places, details = hang.collect(workers, state_dir)
-    every, hosts, text = crossnode.collect_places(node, places, details, cfg.nproc_per_node)
-    return report.Outcome.hang(crossnode.hang_line(every, hosts, stall), text, cfg.hang_timeout)
+        line, details = hang.describe(workers, state_dir, stall, stop=stop)
+    else:
+        crossnode.ask_places(node)
+        places, details = hang.collect(workers, state_dir, stop=stop)
+        every, hosts, details = crossnode.collect_places(
+            node, places, details, cfg.nproc_per_node, stop=stop
+        )
+        line = crossnode.hang_line(every, hosts, stall)
+    if stop():
+        name = signal.Signals(signals.last).name
+        return report.Outcome.interrupted_by(name, 128 + signals.last)
+    return report.Outcome.hang(line, details, cfg.hang_timeout)
 
 
 ERROR_EXIT_WAIT = 3.0

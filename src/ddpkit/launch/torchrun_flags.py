@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ddpkit.errors import ConfigError
@@ -55,14 +56,22 @@ class TorchrunOptions:
     local_rank_arg: str | None = None  # "--local-rank": passed to the script as an argument
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
+def add_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """torchrun's own flags, each also read from PET_<NAME> as torchrun reads it."""
+    env = {} if environ is None else environ
     group = parser.add_argument_group(
         "torchrun's flags",
-        "accepted as torchrun takes them (docs/launcher.md, 'torchrun's flags')",
+        "accepted as torchrun takes them, also from torchrun's PET_<NAME> variables "
+        "(docs/launcher.md, 'torchrun's flags')",
     )
 
     def flag(name: str, **kw: object) -> None:
         spellings = dict.fromkeys((f"--{name}", f"--{name.replace('-', '_')}"))
+        pet = "PET_" + name.upper().replace("-", "_")
+        if kw.get("action") == "store_true":  # torchrun's check_env: PET_X=1 turns it on
+            kw["default"] = env.get(pet, "0").strip() not in ("", "0")
+        elif pet in env:
+            kw["default"] = env[pet]
         group.add_argument(*spellings, **kw)  # type: ignore[arg-type]
 
     flag("rdzv-backend", metavar="NAME", help="c10d or static (both what ddpkit does)")
@@ -72,9 +81,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     flag("role", metavar="NAME", help="ROLE_NAME of the workers (default: default)")
     flag("run-path", action="store_true", help="run the target as a script (the default)")
     group.add_argument("-r", "--redirects", metavar="0-3", help="streams only in the logs: 1 "
-                       "stdout, 2 stderr, 3 both; per local rank as 0:3,1:2")  # fmt: skip
+                       "stdout, 2 stderr, 3 both; per local rank as 0:3,1:2",
+                       default=env.get("PET_REDIRECTS"))  # fmt: skip
     group.add_argument("-t", "--tee", metavar="0-3", help="streams to the console and the logs "
-                       "(ddpkit always writes both)")  # fmt: skip
+                       "(ddpkit always writes both)", default=env.get("PET_TEE"))  # fmt: skip
     flag("local-ranks-filter", metavar="R,..", help="local ranks whose output reaches the console")
     flag("signals-to-handle", metavar="SIG,..", help="signals forwarded to every rank")
     flag(

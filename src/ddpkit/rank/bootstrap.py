@@ -34,6 +34,7 @@ from typing import Any
 
 from ddpkit import protocol
 from ddpkit.frames import is_library
+from ddpkit.rank.steps import waited_in_collective
 
 PR_SET_PDEATHSIG = 1
 STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
@@ -58,21 +59,31 @@ def tie_to_launcher() -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-class _InitWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Wraps torch.distributed's init_process_group once that module is imported, to mark
-    when this rank enters and leaves init. No torch import is triggered by this."""
+class _ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs a function on some of torch's modules right after they are imported (by the
+    script, or by `import torch` itself), to watch init and time steps. No torch import is
+    triggered by this."""
 
-    target = "torch.distributed.distributed_c10d"
+    def __init__(self) -> None:
+        from ddpkit.rank import steps
+
+        self.targets = {
+            "torch.distributed.distributed_c10d": patch_init,
+            "torch.autograd": steps.patch_backward,
+            "torch.optim.optimizer": steps.install_optimizer_hooks,
+            "torch.utils.data.dataloader": steps.patch_dataloader,
+        }
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != self.target:
+        after = self.targets.pop(name, None)
+        if after is None:
             return None
-        sys.meta_path.remove(self)
+        if not self.targets:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         inner = spec.loader
-        watcher = self
 
         class Loader(importlib.abc.Loader):
             def create_module(self, spec: Any) -> ModuleType | None:
@@ -80,28 +91,34 @@ class _InitWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
             def exec_module(self, module: ModuleType) -> None:
                 inner.exec_module(module)
-                watcher.patch(module)
+                try:
+                    after(module)
+                except Exception as err:  # never break the script's import of torch
+                    from ddpkit.errors import debug_note
+
+                    debug_note(f"watching {module.__name__}", err)
 
         spec.loader = Loader()
         return spec
 
-    @staticmethod
-    def patch(module: ModuleType) -> None:
-        original = module.init_process_group
 
-        @functools.wraps(original)
-        def init_process_group(*args: Any, **kwargs: Any) -> Any:
-            set_phase("init")
-            result = original(*args, **kwargs)
-            set_phase("ready")
-            if STATE_DIR and _recording():
-                from ddpkit.rank import flight
+def patch_init(module: ModuleType) -> None:
+    """Mark when this rank enters and leaves init_process_group; record its collectives."""
+    original = module.init_process_group
 
-                flight.serve(STATE_DIR, RANK, str(module.get_backend()))
-            return result
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        set_phase("init")
+        result = original(*args, **kwargs)
+        set_phase("ready")
+        if STATE_DIR and _recording():
+            from ddpkit.rank import flight
 
-        module.init_process_group = init_process_group
-        track_collectives(module)
+            flight.serve(STATE_DIR, RANK, str(module.get_backend()))
+        return result
+
+    module.init_process_group = init_process_group
+    track_collectives(module)
 
 
 _depth = 0
@@ -132,11 +149,13 @@ def track_collectives(module: ModuleType) -> None:
             site, shapes = user_site(), describe_shapes(args)
             _depth += 1
             record.enter(name, shapes, site)
+            began = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 _depth -= 1
                 record.leave(name, shapes, site)
+                waited_in_collective(time.perf_counter() - began)
 
         return collective
 
@@ -271,7 +290,7 @@ def main(argv: list[str]) -> None:
         buffer_stdout()
         frame_stderr()
     dump_stacks_on_signal()
-    sys.meta_path.insert(0, _InitWatcher())
+    sys.meta_path.insert(0, _ImportWatcher())
     from ddpkit.errors import install_excepthook
 
     install_excepthook()

@@ -22,22 +22,32 @@ RECORDERS = ("_dump_fr_trace", "_dump_nccl_trace")
 
 
 def serve(state_dir: str, rank: str, backend: str) -> None:
-    """Answer dump requests from a daemon thread."""
-    request = protocol.state_path(state_dir, rank, protocol.FLIGHT_REQUEST)
-    out = protocol.state_path(state_dir, rank, protocol.FLIGHT_DUMP)
+    """Answer dump requests from a daemon thread: full dumps and status polls, each in its own
+    pair of files."""
+    asks = [
+        (
+            protocol.state_path(state_dir, rank, request),
+            protocol.state_path(state_dir, rank, answer),
+            full,
+        )
+        for request, answer, full in (
+            (protocol.FLIGHT_REQUEST, protocol.FLIGHT_DUMP, True),
+            (protocol.FLIGHT_STATUS_REQUEST, protocol.FLIGHT_STATUS_DUMP, False),
+        )
+    ]
     protocol.state_path(state_dir, rank, protocol.FLIGHT_READY).touch()
 
     def loop() -> None:
         with contextlib.suppress(Exception):
             dump(backend=backend)  # pay the first call's set-up now, not during a hang report
         while True:
-            time.sleep(0.5)
-            if not request.exists():
-                continue
-            with contextlib.suppress(Exception):
-                full = request.read_text() != protocol.FLIGHT_STATUS
-                request.unlink()
-                _write_atomic(out, dump(full, backend))
+            time.sleep(0.2)
+            for request, out, full in asks:
+                if not request.exists():
+                    continue
+                with contextlib.suppress(Exception):
+                    request.unlink()
+                    _write_atomic(out, dump(full, backend))
 
     threading.Thread(target=loop, daemon=True, name="ddpkit-flight-recorder").start()
 

@@ -1,0 +1,169 @@
+"""The facts a straggler verdict gives as evidence: each GPU's clocks, throttle reasons,
+temperature, power, utilisation, memory and other processes (NVML), and the host's CPU load,
+steal and memory, and a rank's own share of a core (psutil). Read by the launcher every few
+seconds; nothing here imports torch, and every fact is optional (no NVML: no GPU facts)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import psutil
+
+from ddpkit.errors import debug_note
+
+# NVML's clock-event (throttle) reason bits that slow a GPU down, and what to call them
+THROTTLES = {
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x20: "thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "power brake",
+}
+
+
+class Gpus:
+    """NVML, initialised once for the job; facts about a GPU by its UUID."""
+
+    def __init__(self) -> None:
+        self.nvml: Any = None
+        self.handles: dict[str, Any] = {}
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+        except Exception as err:
+            debug_note("nvml", err)
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            with contextlib.suppress(Exception):
+                self.nvml.nvmlShutdown()
+            self.nvml = None
+
+    def _handle(self, uuid: str) -> Any:
+        if uuid not in self.handles:
+            name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+            self.handles[uuid] = self.nvml.nvmlDeviceGetHandleByUUID(name)
+        return self.handles[uuid]
+
+    def facts(self, uuid: str, job_pids: set[int] = frozenset()) -> dict[str, Any]:
+        """What NVML says of the GPU now ({} without NVML or for an unknown UUID)."""
+        if self.nvml is None or not uuid:
+            return {}
+        nv = self.nvml
+        out: dict[str, Any] = {}
+        try:
+            h = self._handle(uuid)
+            out["index"] = int(nv.nvmlDeviceGetIndex(h))
+        except Exception as err:
+            debug_note("nvml handle", err)
+            return {}
+        reads = {
+            "sm_mhz": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+            "max_sm_mhz": lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM),
+            "temp_c": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+            "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            "power_limit_w": lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
+            "util": lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu,
+            "mem_used_mib": lambda: nv.nvmlDeviceGetMemoryInfo(h).used // 2**20,
+            "mem_total_mib": lambda: nv.nvmlDeviceGetMemoryInfo(h).total // 2**20,
+        }
+        for key, read in reads.items():
+            with contextlib.suppress(Exception):
+                out[key] = read()
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        with contextlib.suppress(Exception):
+            bits = int(reasons(h))
+            out["throttle"] = [name for bit, name in THROTTLES.items() if bits & bit]
+        with contextlib.suppress(Exception):
+            others = []
+            for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid in job_pids:
+                    continue
+                mib = (p.usedGpuMemory or 0) // 2**20
+                others.append({"pid": p.pid, "name": _name(p.pid), "mib": mib})
+            out["other_processes"] = others
+        return out
+
+
+def _name(pid: int) -> str:
+    try:
+        words = psutil.Process(pid).cmdline()
+        text = " ".join(" ".join(words).split())  # one line, whatever the arguments hold
+        return text[:60] if text else psutil.Process(pid).name()
+    except psutil.Error:
+        return "?"
+
+
+class Host:
+    """This machine's CPU and memory, and each rank's share of a core, between two reads."""
+
+    def __init__(self) -> None:
+        psutil.cpu_percent()
+        with contextlib.suppress(Exception):
+            psutil.cpu_times_percent()
+        self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, when)
+
+    def facts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"cores": psutil.cpu_count() or 1}
+        with contextlib.suppress(Exception):
+            out["cpu_percent"] = psutil.cpu_percent()
+        with contextlib.suppress(Exception):
+            out["load1"] = os.getloadavg()[0]
+        with contextlib.suppress(Exception):
+            out["steal_percent"] = getattr(psutil.cpu_times_percent(), "steal", 0.0)
+        with contextlib.suppress(Exception):
+            out["mem_percent"] = psutil.virtual_memory().percent
+        return out
+
+    def cpu_share(self, pid: int) -> float | None:
+        """Cores the rank's process tree used since the last call (1.0 = one whole core)."""
+        used = 0.0
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = proc.cpu_times()
+                    used += t.user + t.system
+        except psutil.Error:
+            return None
+        now = time.monotonic()
+        before = self._cpu.get(pid)
+        self._cpu[pid] = (used, now)
+        if before is None or now <= before[1]:
+            return None
+        return (used - before[0]) / (now - before[1])
+
+
+def competitors(pid: int, job_pids: set[int], limit: int = 3) -> list[dict[str, Any]]:
+    """Processes outside the job busy on the cores the rank may run on (its affinity), the
+    busiest first; empty when the rank may run on every core (then the host load says more).
+    Samples each candidate over 0.2 s: called only when a verdict is written."""
+    try:
+        mine = set(psutil.Process(pid).cpu_affinity() or [])
+    except (psutil.Error, AttributeError):
+        return []
+    if not mine or len(mine) >= (psutil.cpu_count() or 1):
+        return []
+    candidates = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid in job_pids or proc.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error, AttributeError):
+            if set(proc.cpu_affinity()) & mine:
+                proc.cpu_percent()
+                candidates.append(proc)
+    time.sleep(0.2)
+    busy = []
+    for proc in candidates:
+        with contextlib.suppress(psutil.Error):
+            share = proc.cpu_percent()
+            if share >= 20:
+                busy.append({"pid": proc.pid, "name": _name(proc.pid), "percent": share})
+    return sorted(busy, key=lambda b: -b["percent"])[:limit]

@@ -1,0 +1,403 @@
+"""The speed doctor in the launcher: every rank's steps, read from its step record
+(ddpkit.rank.steps), a straggler verdict while the job runs, a live file for `ddpkit top`, and a
+summary when the job ends.
+
+Each second the watch reads the steps each rank wrote since the last read. Every EVALUATE_EVERY
+seconds it summarises each rank's last `window` steps (medians), gathers the evidence (NVML for
+the rank's GPU, the host's load, the rank's share of a core) and asks ddpkit.launch.straggler
+who holds the job back. One node, or node 0 of several (each other node sends its ranks'
+summaries through the job's store, ddpkit.launch.liveness), decides and says so on stderr:
+once when an episode starts, once when it ends. `run_dir/speed-live.json` holds what
+`ddpkit top` shows; at the end `run_dir/speed.json` holds the job's per-rank figures and
+`run_dir/steps.png` (where matplotlib is installed) each rank's step times.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from ddpkit import protocol
+from ddpkit.launch import evidence, straggler
+from ddpkit.launch.straggler import Finding, RankSummary
+
+EVALUATE_EVERY = 2.0
+LIVE_EVERY = 1.0
+KEEP = 20000  # steps kept per rank for the summary and the plot (thinned beyond)
+DEFAULT_THRESHOLD = 1.2
+DEFAULT_WINDOW = 50
+
+
+class Track:
+    """One rank's steps as the launcher has read them."""
+
+    def __init__(self, rank: int, pid: int, window: int) -> None:
+        self.rank, self.pid = rank, pid
+        self.read = 0
+        self.gpu = ""
+        self.window: collections.deque[protocol.Step] = collections.deque(maxlen=window)
+        self.kept: list[tuple[float, float, float, float, float]] = []  # total, data, ...
+        self.every = 1  # keep one step in `every` (thinned as the job grows)
+        self.seen = 0
+
+    def take(self, steps: list[protocol.Step]) -> None:
+        for s in steps:
+            self.window.append(s)
+            self.seen += 1
+            if self.seen % self.every == 0:
+                self.kept.append((s.total, s.data, s.compute, s.comm, s.host))
+                if len(self.kept) >= KEEP:
+                    self.kept, self.every = self.kept[::2], self.every * 2
+
+    def summary(self, host: str, facts: dict[str, Any]) -> RankSummary | None:
+        if not self.window:
+            return None
+        w = list(self.window)
+        med = {
+            k: statistics.median(getattr(s, k) for s in w) for k in protocol.Step.__annotations__
+        }
+        totals = sorted(s.total for s in w)
+        return RankSummary(
+            rank=self.rank,
+            host=host,
+            steps=len(w),
+            total=med["total"],
+            data=med["data"],
+            compute=med["compute"],
+            comm=med["comm"],
+            other=med["host"],
+            total_p90=totals[min(len(totals) - 1, int(0.9 * len(totals)))],
+            gpu=f"GPU {facts['gpu']['index']}" if "index" in facts.get("gpu", {}) else "",
+            facts=facts,
+        )
+
+
+class SpeedWatch:
+    def __init__(
+        self,
+        workers: list[Any],
+        state_dir: Path,
+        run_dir: Path,
+        threshold: float = DEFAULT_THRESHOLD,
+        window: int = DEFAULT_WINDOW,
+        host: str = "",
+        live: Any = None,
+        node_rank: int = 0,
+    ) -> None:
+        self.state_dir, self.run_dir = state_dir, run_dir
+        self.threshold, self.window = threshold, window
+        self.host = host or os.uname().nodename
+        self.live, self.node_rank = live, node_rank  # several nodes: the liveness thread
+        self.tracks = {w.rank: Track(w.rank, w.proc.pid, window) for w in workers}
+        self.episodes = straggler.Episodes(threshold)
+        self.notes: list[str] = []
+        self.gpus = evidence.Gpus()
+        self.hostinfo = evidence.Host()
+        self.next_read = self.next_eval = self.next_live = 0.0
+        self.started = time.time()
+        self.summaries: dict[int, RankSummary] = {}
+        self.history: list[dict[str, Any]] = []  # episodes, for speed.json
+
+    # -- while the job runs ---------------------------------------------------------------
+
+    def sample(self, now: float) -> None:
+        if now >= self.next_read:
+            self.next_read = now + 1.0
+            self._read()
+        if now >= self.next_eval:
+            self.next_eval = now + EVALUATE_EVERY
+            self._evaluate()
+        if now >= self.next_live:
+            self.next_live = now + LIVE_EVERY
+            self._write_live()
+
+    def _read(self) -> None:
+        for track in self.tracks.values():
+            record = protocol.read_steps(self.state_dir, track.rank, track.read)
+            if record is None:
+                continue
+            track.gpu = record.gpu
+            track.take(record.steps)
+            track.read = record.count
+
+    def _facts(self, track: Track, job: set[int], host: dict[str, Any]) -> dict[str, Any]:
+        facts: dict[str, Any] = {"host": host}
+        share = self.hostinfo.cpu_share(track.pid)
+        if share is not None:
+            facts["cpu_share"] = share
+        if track.gpu:
+            facts["gpu"] = self.gpus.facts(track.gpu, job)
+        return facts
+
+    def local_summaries(self) -> list[RankSummary]:
+        job = self._job_pids()
+        host = self.hostinfo.facts()  # once: the host's CPU use since the last evaluation
+        found = []
+        for track in self.tracks.values():
+            summary = track.summary(self.host, self._facts(track, job, host))
+            if summary is not None:
+                found.append(summary)
+        return found
+
+    def _job_pids(self) -> set[int]:
+        import psutil
+
+        pids: set[int] = set()
+        for track in self.tracks.values():
+            try:
+                root = psutil.Process(track.pid)
+                pids.update(p.pid for p in [root, *root.children(recursive=True)])
+            except psutil.Error:
+                continue
+        return pids
+
+    def _evaluate(self) -> None:
+        mine = self.local_summaries()
+        for s in mine:
+            self.summaries[s.rank] = s
+        if self.live is not None and self.node_rank != 0:
+            self.live.speed_out = json.dumps([asdict(s) for s in mine])
+            return
+        if self.live is not None:
+            for text in list(self.live.speed_in.values()):
+                for item in json.loads(text):
+                    self.summaries[int(item["rank"])] = RankSummary(**item)
+        if self.threshold <= 0:
+            return
+        every = list(self.summaries.values())
+        what, finding = self.episodes.update(straggler.find(every, self.threshold))
+        if what == "start" and finding is not None:
+            self._add_competitors(finding)
+            line = verdict(finding, self.summaries, self.window)
+            self.notes.append(line)
+            self.history.append({"start": time.time(), "rank": finding.rank, "line": line})
+        elif what == "end" and finding is not None:
+            line = (
+                f"straggler: rank {finding.rank} is back at the job's pace "
+                f"(its own time within {self.threshold:g}x the median rank's)"
+            )
+            self.notes.append(line)
+            self.history.append({"end": time.time(), "rank": finding.rank, "line": line})
+
+    def _add_competitors(self, finding: Finding) -> None:
+        """A local rank slow on the CPU: the processes busy on its cores, as evidence."""
+        track = self.tracks.get(finding.rank)
+        me = self.summaries.get(finding.rank)
+        if track is None or me is None or track.gpu or finding.part == "data":
+            return
+        busy = evidence.competitors(track.pid, self._job_pids())
+        if busy:
+            self.summaries[finding.rank] = replace(me, facts={**me.facts, "competitors": busy})
+
+    def _write_live(self) -> None:
+        if not self.summaries:
+            return
+        current = self.episodes.current
+        rows = [
+            live_row(s, current is not None and current.rank == s.rank, self.tracks.get(s.rank))
+            for s in sorted(self.summaries.values(), key=lambda s: s.rank)
+        ]
+        body = {"time": time.time(), "window": self.window, "ranks": rows}
+        tmp = self.run_dir / ".speed-live.json.tmp"
+        try:
+            tmp.write_text(json.dumps(body))
+            tmp.replace(self.run_dir / "speed-live.json")
+        except OSError:
+            pass
+
+    # -- at the end -----------------------------------------------------------------------
+
+    def finish(self) -> str:
+        """The job's per-rank summary (text for the console, "" for a job of a few steps);
+        speed.json and steps.png in the run folder."""
+        self._read()
+        self.gpus.close()
+        rows = []
+        for track in sorted(self.tracks.values(), key=lambda t: t.rank):
+            if len(track.kept) < straggler.MIN_STEPS:
+                continue
+            rows.append(whole_job_row(track, self.host))
+        if not rows:
+            return ""
+        slowest = max(rows, key=lambda r: r["own_median"])
+        typical = statistics.median(r["own_median"] for r in rows)
+        cost = max(0.0, slowest["own_median"] - typical) * slowest["steps"]
+        total = max(r["total_s"] for r in rows)
+        report = {
+            "ranks": rows,
+            "slowest": {
+                "rank": slowest["rank"],
+                "own_over_median": slowest["own_median"] / typical if typical else None,
+                "cost_s": cost,
+                "cost_share": cost / total if total else 0.0,
+            },
+            "episodes": self.history,
+        }
+        try:
+            (self.run_dir / "speed.json").write_text(json.dumps(report, indent=1))
+            plot(self.tracks, self.run_dir / "steps.png")
+        except OSError:
+            pass
+        return summary_text(report)
+
+
+# -- words -------------------------------------------------------------------------------------
+
+
+def verdict(finding: Finding, summaries: dict[int, RankSummary], window: int) -> str:
+    """`straggler: rank 3 (node1, GPU 3) computes 1.42x the median rank for the last 50 steps:
+    <evidence>; <what to do>`."""
+    me = summaries[finding.rank]
+    where = ", ".join(x for x in (me.host, me.gpu) if x)
+    others = [s for s in summaries.values() if s.rank != finding.rank]
+    if finding.part == "data":
+        what = (
+            f"waits for data {finding.share:.0%} of each step (others {finding.others_share:.0%})"
+        )
+        advice = "raise num_workers or check that node's disk"
+    elif finding.part == "compute":
+        what = f"computes {finding.factor:.2f}x the median rank"
+        advice = ""
+    else:
+        what = f"spends {finding.factor:.2f}x the median rank's host time outside the GPU"
+        advice = "the host cannot feed its GPU: check that node's CPU load"
+    facts, fix = evidence_words(me, others, finding.part)
+    advice = fix or advice
+    line = f"straggler: rank {finding.rank} ({where}) {what} for the last {me.steps} steps"
+    if facts:
+        line += f": {facts}"
+    line += "; the job runs at its pace"
+    return line + (f"; {advice}" if advice else "")
+
+
+def evidence_words(me: RankSummary, others: list[RankSummary], part: str) -> tuple[str, str]:
+    """(the evidence, what to do) for a slow rank, from NVML and the host's facts."""
+    said, fixes = [], []
+    gpu = me.facts.get("gpu") or {}
+    if gpu:
+        clocks = [o.facts.get("gpu", {}).get("sm_mhz") for o in others]
+        clocks = [c for c in clocks if c]
+        if gpu.get("sm_mhz") and clocks:
+            said.append(
+                f"{me.gpu or 'its GPU'} runs at {gpu['sm_mhz']} MHz "
+                f"(others {statistics.median(clocks):.0f} MHz)"
+            )
+        if gpu.get("throttle"):
+            said.append(
+                f"{' and '.join(gpu['throttle'])} at {gpu.get('temp_c', '?')} C, "
+                f"{gpu.get('power_w', 0):.0f} W"
+            )
+            fixes.append("check that GPU's cooling and power (nvidia-smi -q -d PERFORMANCE)")
+        for p in gpu.get("other_processes", [])[:2]:
+            said.append(f"another process uses it: pid {p['pid']} ({p['name']}, {p['mib']} MiB)")
+            fixes.append(f"stop pid {p['pid']} or move it to another GPU")
+    share = me.facts.get("cpu_share")
+    shares = [o.facts.get("cpu_share") for o in others if o.facts.get("cpu_share") is not None]
+    if not gpu and share is not None and shares and part != "data":
+        typical = statistics.median(shares) * 100
+        said.append(f"its process ran {share * 100:.0f}% of a core (others {typical:.0f}%)")
+        busy = me.facts.get("competitors") or []
+        for b in busy[:2]:
+            said.append(f"pid {b['pid']} ({b['name']}) uses {b['percent']:.0f}% of its core(s)")
+        if busy:
+            fixes.append(f"stop pid {busy[0]['pid']} or give the job cores of its own")
+    host = me.facts.get("host") or {}
+    if host.get("steal_percent", 0) >= 5:
+        said.append(f"CPU steal {host['steal_percent']:.0f}% on {me.host} (a busy VM host)")
+    if host.get("load1") and host.get("cores") and host["load1"] > 1.5 * host["cores"]:
+        said.append(f"load {host['load1']:.1f} on {host['cores']} cores")
+    if host.get("mem_percent", 0) >= 95:
+        said.append(f"memory {host['mem_percent']:.0f}% used")
+    return "; ".join(said), "; ".join(dict.fromkeys(fixes))
+
+
+def live_row(s: RankSummary, slow: bool, track: Track | None) -> dict[str, Any]:
+    split = {p: getattr(s, p if p != "host" else "other") for p in ("data", "compute", "comm")}
+    split["host"] = s.other
+    whole = sum(split.values()) or 1.0
+    last = track.window[-1].total if track is not None and track.window else s.total
+    return {
+        "rank": s.rank,
+        "host": s.host,
+        "gpu": s.gpu,
+        "steps": s.steps,
+        "last_s": last,
+        "median_s": s.total,
+        "p90_s": s.total_p90,
+        "steps_per_s": 1.0 / s.total if s.total > 0 else 0.0,
+        "split": {k: v / whole for k, v in split.items()},
+        "straggler": slow,
+        "facts": s.facts,
+    }
+
+
+def whole_job_row(track: Track, host: str) -> dict[str, Any]:
+    totals = sorted(k[0] for k in track.kept)
+    sums = [sum(k[i] for k in track.kept) for i in range(5)]
+    whole = sums[0] or 1.0
+    own = sorted(k[1] + k[2] + k[4] for k in track.kept)
+    return {
+        "rank": track.rank,
+        "host": host,
+        "steps": track.seen,
+        "median_s": statistics.median(totals),
+        "p90_s": totals[min(len(totals) - 1, int(0.9 * len(totals)))],
+        "total_s": sums[0] * track.every,
+        "own_median": statistics.median(own),
+        "split": {
+            "data": sums[1] / whole,
+            "compute": sums[2] / whole,
+            "comm": sums[3] / whole,
+            "host": sums[4] / whole,
+        },
+    }
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    lines = [
+        "step times per rank (median, p90) and where they went:",
+        "  rank  host          steps   median     p90   data  compute   comm   host",
+    ]
+    for r in report["ranks"]:
+        s = r["split"]
+        lines.append(
+            f"  {r['rank']:>4}  {r['host'][:12]:<12} {r['steps']:>6} {r['median_s'] * 1e3:>7.1f}ms"
+            f" {r['p90_s'] * 1e3:>6.1f}ms {s['data']:>6.0%} {s['compute']:>8.0%} {s['comm']:>6.0%}"
+            f" {s['host']:>6.0%}"
+        )
+    slow = report["slowest"]
+    if len(report["ranks"]) > 1 and slow["own_over_median"]:
+        lines.append(
+            f"  slowest: rank {slow['rank']} ({slow['own_over_median']:.2f}x the median rank's "
+            f"own time); at the median rank's pace the job would have been "
+            f"{slow['cost_s']:.1f} s ({slow['cost_share']:.0%}) shorter"
+        )
+    return "\n".join(lines)
+
+
+def plot(tracks: dict[int, Track], path: Path) -> None:
+    """Each rank's step time over the job (where matplotlib is installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for track in sorted(tracks.values(), key=lambda t: t.rank):
+        if track.kept:
+            steps = [i * track.every for i in range(len(track.kept))]
+            ax.plot(steps, [k[0] * 1e3 for k in track.kept], label=f"rank {track.rank}", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

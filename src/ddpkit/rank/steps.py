@@ -1,0 +1,261 @@
+"""Every step of this rank timed, with no change to the script, into its step record
+(`ddpkit.protocol.StepWriter`), for the launcher's speed doctor.
+
+A step ends at each `optimizer.step()` (torch's global optimizer hooks: plain loops, `s.wrap`,
+Lightning, Hugging Face's Trainer and Accelerate all call it; the first optimizer that steps
+marks the steps when there are several). Each step is split into:
+
+* data: time blocked in a DataLoader's `__next__` (the next batch);
+* comm: time waiting for communication: blocked in a torch.distributed collective, plus what
+  DDP's overlap did not hide (from the moment the last gradient of a backward is computed to
+  the end of that backward, where DDP waits for its all-reduces); on a GPU that wait is timed
+  on the GPU (CUDA events), as NCCL's kernels run there;
+* compute: the rank's own work. On the CPU, the rest of the step; on a GPU, the GPU time of
+  the step (from the end of the previous step to the end of this one, in stream order) less
+  that communication wait;
+* host: on a GPU, the step's wall time the GPU was not busy with it and the host was not
+  waiting for data (a host that cannot launch kernels fast enough); 0 on the CPU.
+
+The last gradient of a backward is found once: at the first timed step every parameter of the
+optimizer reports when its gradient is accumulated, then only the last one keeps its hook. GPU
+timings are read a few steps late, when their events have completed, so the rank never waits.
+Cost per step: a few Python calls and three CUDA events (benchmarks/step_timing_cost.py).
+Outside a worker of `ddpkit run`, or with DDPKIT_STEP_TIMING=0, nothing is installed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from typing import Any
+
+from ddpkit import protocol
+
+OFF_VARIABLE = "DDPKIT_STEP_TIMING"  # 0: no step timing in the ranks
+MAX_BACKWARDS = 16  # backward passes timed per step (gradient accumulation)
+
+
+class Clock:
+    """The current step's accumulators, and the steps whose GPU timings are still running."""
+
+    def __init__(self, writer: protocol.StepWriter) -> None:
+        self.writer = writer
+        self.owner: int | None = None  # id() of the optimizer whose steps mark the steps
+        self.started: float | None = None  # host time the current step began
+        self.number = 0
+        self.data = 0.0
+        self.comm = 0.0  # host-blocked communication (collectives; DDP's wait on the CPU)
+        self.cuda: Any = None  # the torch.cuda module when the optimizer's parameters are there
+        self.start_event: Any = None  # GPU: the previous step's end
+        self.waits: list[tuple[Any, Any]] = []  # GPU: (last gradient, backward end) per backward
+        self.grads_at = 0.0  # host time the last gradient of the current backward was computed
+        self.grad_event: Any = None
+        self.pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.order: list[int] = []  # id() of parameters as their gradients came (learning)
+        self.hooks: list[tuple[int, Any]] = []
+        self.params: list[Any] = []  # the owning optimizer's, while learning the order
+        self.learning = False
+
+    # -- the step boundary --------------------------------------------------------------
+
+    def after_step(self, optimizer: Any) -> None:
+        if self.owner is None:
+            self.owner = id(optimizer)
+            self._learn(optimizer)
+        elif id(optimizer) != self.owner:
+            return
+        elif self.learning:
+            self._keep_last_hook()
+        now = time.perf_counter()
+        if self.started is not None:
+            self.number += 1
+            total = now - self.started
+            if self.cuda is not None:
+                end = self.cuda.Event(enable_timing=True)
+                end.record()
+                self.pending.append(
+                    (self.number, time.time(), total, self.data, self.comm, self.start_event,
+                     end, self.waits)
+                )  # fmt: skip
+                self.start_event = end
+                self._drain()
+            else:
+                comm = min(self.comm, total)
+                data = min(self.data, total - comm)
+                self.writer.write(
+                    protocol.Step(
+                        self.number, time.time(), total, data, total - comm - data, comm, 0.0
+                    )
+                )
+        elif self.cuda is not None:
+            self.start_event = self.cuda.Event(enable_timing=True)
+            self.start_event.record()
+        self.started = time.perf_counter()
+        self.data = self.comm = 0.0
+        self.waits = []
+        from ddpkit.rank.progress import beat
+
+        beat()
+
+    def _drain(self, wait: bool = False) -> None:
+        """Write the steps whose GPU events have completed (all of them with wait=True)."""
+        while self.pending:
+            number, end_wall, total, data, comm_host, start, end, waits = self.pending[0]
+            if not wait and not end.query():
+                return
+            self.pending.popleft()
+            if wait:
+                end.synchronize()
+            span = start.elapsed_time(end) / 1e3 if start is not None else total
+            comm_gpu = sum(g.elapsed_time(b) / 1e3 for g, b in waits)
+            comm = min(comm_host + comm_gpu, total)
+            data = min(data, total - comm)
+            compute = max(0.0, min(span - comm_gpu, total - comm - data))
+            self.writer.write(
+                protocol.Step(
+                    number, end_wall, total, data, compute, comm, total - comm - data - compute
+                )
+            )
+
+    # -- the last gradient of a backward --------------------------------------------------
+
+    def _learn(self, optimizer: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if params and params[0].is_cuda:
+            import torch
+
+            self.cuda = torch.cuda
+            try:
+                props = torch.cuda.get_device_properties(params[0].device)
+                self.writer.set_gpu(str(getattr(props, "uuid", "")))
+            except Exception:
+                pass
+        if not hasattr(params[0] if params else None, "register_post_accumulate_grad_hook"):
+            return
+        self.learning, self.params = True, params
+        for p in params:
+            self.hooks.append((id(p), p.register_post_accumulate_grad_hook(self._learned)))
+
+    def _learned(self, param: Any) -> None:
+        self.order.append(id(param))
+        self._grad_done(param)
+
+    def _keep_last_hook(self) -> None:
+        """After one step of learning: only the parameter whose gradient came last keeps a
+        hook (the order is the same every step of a model without branches)."""
+        self.learning = False
+        last = self.order[-1] if self.order else None
+        for _, handle in self.hooks:
+            handle.remove()
+        self.hooks, self.order = [], []
+        for p in self.params:
+            if id(p) == last:
+                self.hooks.append((last, p.register_post_accumulate_grad_hook(self._grad_done)))
+        self.params = []
+
+    def _grad_done(self, param: Any) -> None:
+        self.grads_at = time.perf_counter()
+        if self.cuda is not None:
+            self.grad_event = self.cuda.Event(enable_timing=True)
+            self.grad_event.record()
+
+    def backward_ended(self, began: float) -> None:
+        """After a backward pass: the time from its last gradient to its end was spent
+        waiting for DDP's all-reduces (on a GPU: timed by events on the stream)."""
+        if self.grads_at < began:
+            return  # no hooked gradient in this backward (a no_sync micro-step of another model)
+        if self.cuda is not None:
+            if self.grad_event is not None and len(self.waits) < MAX_BACKWARDS:
+                end = self.cuda.Event(enable_timing=True)
+                end.record()
+                self.waits.append((self.grad_event, end))
+            self.grad_event = None
+        else:
+            self.comm += time.perf_counter() - self.grads_at
+
+
+_clock: Clock | None = None
+
+
+def clock() -> Clock | None:
+    return _clock
+
+
+def waited_in_collective(seconds: float) -> None:
+    """The bootstrap's collective wrappers: this rank was blocked that long in one."""
+    if _clock is not None:
+        _clock.comm += seconds
+
+
+def patch_dataloader(module: Any) -> None:
+    """Time every DataLoader's `__next__` (torch.utils.data.dataloader, once imported)."""
+    base = getattr(module, "_BaseDataLoaderIter", None)
+    original = getattr(base, "__next__", None)
+    if original is None or getattr(original, "_ddpkit_timed", False):
+        return
+
+    def timed_next(self: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            if _clock is not None:
+                _clock.data += time.perf_counter() - began
+
+    timed_next._ddpkit_timed = True  # type: ignore[attr-defined]
+    base.__next__ = timed_next
+
+
+def patch_backward(autograd: Any) -> None:
+    """Time where each backward pass waited for DDP (torch.autograd.backward, which
+    Tensor.backward calls)."""
+    original = getattr(autograd, "backward", None)
+    if original is None or getattr(original, "_ddpkit_timed", False):
+        return
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if _clock is not None:
+                _clock.backward_ended(began)
+
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    backward.__doc__ = original.__doc__
+    backward._ddpkit_timed = True  # type: ignore[attr-defined]
+    autograd.backward = backward
+
+
+def install_optimizer_hooks(optimizer_module: Any) -> None:
+    """Called by the bootstrap once torch.optim.optimizer is imported."""
+    global _clock
+    if _clock is not None or os.environ.get(OFF_VARIABLE) == "0":
+        return
+    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
+    if not state_dir or rank is None or os.environ.get(protocol.RANK_PID) != str(os.getpid()):
+        return
+    try:
+        writer = protocol.StepWriter(protocol.state_path(state_dir, rank, protocol.STEPS))
+    except OSError:
+        return
+    _clock = Clock(writer)
+    optimizer_module.register_optimizer_step_post_hook(_after_step)
+    import atexit
+
+    atexit.register(flush)
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _clock is not None:
+        _clock.after_step(optimizer)
+
+
+def flush() -> None:
+    """At the end of the script: the steps whose GPU timings were still running."""
+    if _clock is not None and _clock.pending:
+        try:
+            _clock._drain(wait=True)
+        except Exception:
+            pass

@@ -1,0 +1,119 @@
+"""Exact resume at every world size (issue 21): a script shaped like pytorch/examples'
+imagenet/main.py, stopped by SIGTERM mid-epoch, or SIGKILLed after a periodic save in the middle
+of an epoch or at an epoch's last step, then started again, prints the same loss at every step
+on every rank as the run that never stopped: 1, 2, 3 and 4 gloo ranks, loader workers 0 and 2.
+
+With 3 or more ranks a float sum depends on its order, so this is where DDP's first step after
+a resume (summed in another bucket layout) used to differ by one ulp; and a save at an epoch's
+last step used to resume into an extra epoch. At 3 and 4 ranks one chain of runs meets every
+kind of stop: killed after the save at an epoch's end, resumed and killed after a save in the
+middle of an epoch, resumed and stopped by SIGTERM, resumed to the end."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from tests.e2e.helpers import SCRIPTS, Job, gone_within, start
+
+pytestmark = pytest.mark.timeout(400)
+SCRIPT = str(SCRIPTS / "examples_style.py")
+STEPS = 15  # 3 epochs of 5 steps, at any world size
+LOSS = re.compile(r"loss rank (\d) epoch (\d) step (\d+) = (\S+)")
+SLOW = "0.25"  # seconds per step of a run that is to be stopped: time to stop it where meant
+
+
+def losses(text: str) -> dict[tuple[int, int], tuple[int, str]]:
+    """(rank, step) -> (epoch, loss) as printed."""
+    return {(int(r), int(s)): (int(e), v) for r, e, s, v in LOSS.findall(text)}
+
+
+def never_stopped(tmp_path, world: int) -> dict[tuple[int, int], tuple[int, str]]:
+    job = start(["-n", str(world), SCRIPT, str(tmp_path / "never"), "-j", "0"], tmp_path)
+    assert job.finish(200) == 0, job.stderr
+    found = losses(job.stdout)
+    assert sorted(found) == [(r, s) for r in range(world) for s in range(1, STEPS + 1)]
+    assert {e for e, _ in found.values()} == {0, 1, 2}
+    return found
+
+
+def launch(tmp_path, world: int, workers: int, *extra: str) -> Job:
+    args = ["-n", str(world), SCRIPT, str(tmp_path / "state"), "-j", str(workers), *extra]
+    return start(args, tmp_path)
+
+
+def same(job: Job, expected, resumed_at: int | None, through: int | None = None) -> int:
+    """Every step line of `job` equals the never-stopped run's; it resumed where it should
+    and did no step twice. Returns the last step it printed."""
+    if resumed_at is not None:
+        assert f"resumed at step {resumed_at} " in job.stdout, job.stdout + job.stderr
+    found = losses(job.stdout)
+    steps = sorted({s for _, s in found})
+    first = (resumed_at or 0) + 1
+    assert steps == list(range(first, steps[-1] + 1)), f"steps {steps}: none twice, none lost"
+    if through is not None:
+        assert steps[-1] == through
+    differ = sorted(k for k, v in found.items() if v != expected[k])
+    assert not differ, (
+        f"{len(differ)} of {len(found)} step lines differ from the never-stopped run, first "
+        f"(rank, step) {differ[:3]}: {[(found[k], expected[k]) for k in differ[:3]]}"
+    )
+    return steps[-1]
+
+
+def killed_after(job: Job, step: int) -> None:
+    job.wait_for(f"loss rank 0 epoch {(step - 1) // 5} step {step} =", timeout=150)
+    job.proc.send_signal(signal.SIGKILL)
+    gone_within(job, 30)
+
+
+def stopped_by_sigterm_after(job: Job, step: int) -> int:
+    job.wait_for(f"loss rank 0 epoch {(step - 1) // 5} step {step} =", timeout=150)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(60) == 143, job.stderr
+    stopped = re.search(r"stopped at step (\d+), state saved", job.stdout)
+    assert stopped, job.stdout + job.stderr
+    assert not job.survivors()
+    return int(stopped.group(1))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_kind_of_stop_resumes_exactly(tmp_path, world):
+    expected = never_stopped(tmp_path, world)
+    # saves every 5 steps: the last step of each epoch; killed after step 12 (saved at 10)
+    first = launch(tmp_path, world, 2, "--save-every", "5", "--sleep", SLOW)
+    killed_after(first, 12)
+    same(first, expected, None)
+    # resumed at epoch 1's end; saves every 3 steps: 12 is mid-epoch 2; killed after 13
+    second = launch(tmp_path, world, 0, "--save-every", "3", "--sleep", SLOW)
+    killed_after(second, 13)
+    same(second, expected, 10)
+    # resumed in the middle of epoch 2, stopped by SIGTERM (the script saves and leaves)
+    third = launch(tmp_path, world, 2, "--sleep", SLOW)
+    stopped = stopped_by_sigterm_after(third, 13)
+    assert same(third, expected, 12) == stopped
+    last = launch(tmp_path, world, 0)
+    assert last.finish(200) == 0, last.stderr
+    same(last, expected, stopped, through=STEPS)
+
+
+def test_one_rank_stopped_by_sigterm_mid_epoch_resumes_exactly(tmp_path):
+    expected = never_stopped(tmp_path, 1)
+    first = launch(tmp_path, 1, 0, "--sleep", SLOW)
+    stopped = stopped_by_sigterm_after(first, 7)
+    same(first, expected, None)
+    last = launch(tmp_path, 1, 2)
+    assert last.finish(200) == 0, last.stderr
+    same(last, expected, stopped, through=STEPS)
+
+
+def test_two_ranks_killed_after_a_save_at_an_epochs_last_step_resume_exactly(tmp_path):
+    expected = never_stopped(tmp_path, 2)
+    first = launch(tmp_path, 2, 2, "--save-every", "5", "--sleep", SLOW)
+    killed_after(first, 7)
+    same(first, expected, None)
+    last = launch(tmp_path, 2, 0)
+    assert last.finish(200) == 0, last.stderr
+    same(last, expected, 5, through=STEPS)

@@ -1,0 +1,184 @@
+"""Why is it slow (issue 22), on CPU ranks: a script written as the PyTorch DDP tutorial writes
+it (no ddpkit in it), its rank 1 slowed on purpose in phases, is timed with no code change; the
+straggler is named while the job runs (rank, cause, factor), an even job gets no verdict, the
+end of the job prints each rank's figures, and `ddpkit top` shows the job without touching it.
+
+Faults: rank 1's data loading slowed (a sleep in `__getitem__`), its compute slowed 1.5x (extra
+matmuls in its forward), a CPU hog on its core; no fault. One job per world size goes through
+its phases (each 250 steps, the same step on every rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.e2e import terminal
+from tests.e2e.helpers import SCRIPTS, bound, start
+
+pytestmark = pytest.mark.timeout(300)
+SCRIPT = str(SCRIPTS / "uneven.py")
+WINDOW = ["--straggler-window", "30"]
+COMPUTE = re.compile(r"straggler: rank 1 \(.*\) computes (\d+\.\d+)x the median rank")
+
+
+def verdicts(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "straggler:" in line]
+
+
+@pytest.mark.parametrize(
+    ("world", "phases"),
+    [
+        (2, ["even", "data", "even", "compute:1.5"]),
+        (3, ["even", "even", "compute:1.5"]),
+        (4, ["even", "even", "data"]),
+    ],
+)
+def test_the_slowed_rank_is_named_with_its_cause_and_an_even_phase_with_none(
+    tmp_path, world, phases
+):
+    job = start(["-n", str(world), *WINDOW, SCRIPT, *phases, "--phase", "250"], tmp_path)
+    began = time.monotonic()
+    first_fault = next(p for p in phases if p != "even")
+    job.wait_for(f"[rank 0] phase {first_fault}", timeout=bound(120))
+    assert not verdicts(job.stderr), f"a verdict on an even job of {world} ranks:\n{job.stderr}"
+    assert job.finish(240) == 0, job.stderr
+    said = verdicts(job.stderr)
+    if "data" in phases:
+        data = [v for v in said if "waits for data" in v]
+        assert data, job.stderr
+        assert data[0].startswith("ddpkit: straggler: rank 1 (")
+        assert "raise num_workers" in data[0]
+    if "compute:1.5" in phases:
+        found = [COMPUTE.search(v) for v in said]
+        factors = [float(m.group(1)) for m in found if m]
+        assert factors, job.stderr
+        assert 1.5 * 0.75 <= factors[0] <= 1.5 * 1.25, f"factor {factors[0]} for a 1.5x fault"
+    if phases.index(first_fault) < len(phases) - 1 and phases[-1] != "even":
+        assert "rank 1 is back at the job's pace" in job.stderr
+    assert not [v for v in said if "rank 1" not in v], "only rank 1 was slowed"
+    assert time.monotonic() - began < bound(200)
+    assert "step times per rank" in job.stderr
+    report = json.loads((job.log_dir / job.run_id / "speed.json").read_text())
+    assert [r["rank"] for r in report["ranks"]] == list(range(world))
+    assert report["slowest"]["rank"] == 1
+    assert not job.survivors()
+
+
+@pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="needs 2 cores to pin to")
+def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
+    # ranks that compute (a wide model, no sleep): a core shared with a hog halves rank 1's pace
+    phases = ["even", *["hold"] * 40]
+    args = ["--phase", "150", "--io", "0", "--batch", "64", "--hidden", "1024"]
+    job = start(["-n", "2", *WINDOW, SCRIPT, *phases, *args], tmp_path)
+    hog = None
+    try:
+        job.wait_for("[rank 1] hold", timeout=bound(120))
+        ranks = [p for p in psutil.process_iter(["environ"]) if _rank_of(p, job.run_id) is not None]
+        assert len(ranks) == 2
+        for p in ranks:  # each rank (every thread of it) on a core of its own
+            for thread in p.threads():
+                os.sched_setaffinity(thread.id, {_rank_of(p, job.run_id)})
+        hog = subprocess.Popen(
+            [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\nwhile True: pass"],
+        )
+        job.wait_for("straggler: rank 1", timeout=bound(60))
+        line = next(v for v in verdicts(job.stderr) if "rank 1" in v)
+        assert "computes" in line
+        assert f"pid {hog.pid}" in line, line
+        assert "rank 0" not in job.stderr.split("straggler: rank 1")[0]
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        job.proc.terminate()
+        job.finish(60)
+    assert not job.survivors()
+
+
+def _rank_of(proc: psutil.Process, run_id: str) -> int | None:
+    try:
+        env = proc.info["environ"] or {}
+    except (psutil.Error, KeyError):
+        return None
+    launcher = env.get("_DDPKIT_LAUNCHER_PID")
+    if env.get("_DDPKIT_JOB") == run_id and launcher and proc.ppid() == int(launcher):
+        return int(env["RANK"])  # the rank itself, not a child it forked
+    return None
+
+
+def test_top_once_json_reads_a_running_job_without_touching_it(tmp_path):
+    job = start(["-n", "2", SCRIPT, "even", "--phase", "100000"], tmp_path)
+    try:
+        deadline = time.monotonic() + bound(60)
+        rows: list = []
+        while time.monotonic() < deadline and len(rows) < 2:
+            out = subprocess.run(
+                [sys.executable, "-m", "ddpkit", "top", job.run_id, "--once", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if out.returncode == 2 and "no job" in out.stderr:  # its ranks are not up yet
+                time.sleep(0.5)
+                continue
+            assert out.returncode == 0, out.stderr
+            rows = json.loads(out.stdout)["ranks"]
+            time.sleep(1)
+        assert [r["rank"] for r in rows] == [0, 1]
+        for r in rows:
+            assert r["median_s"] > 0
+            assert abs(sum(r["split"].values()) - 1) < 0.01
+            assert set(r["split"]) == {"data", "compute", "comm", "host"}
+            assert r["facts"]["host"]["cores"] >= 1
+        assert job.proc.poll() is None, "top must not stop the job"
+    finally:
+        job.proc.terminate()
+        job.finish(60)
+    assert not job.survivors()
+
+
+@pytest.mark.skipif(terminal.available() is not None, reason=str(terminal.available()))
+def test_top_is_a_live_table_in_a_terminal_and_q_quits(tmp_path):
+    job = start(["-n", "2", SCRIPT, "even", "--phase", "100000"], tmp_path)
+    job.wait_for("ddpkit: run ")
+    time.sleep(3)  # its ranks are up
+    term = terminal.Terminal([sys.executable, "-m", "ddpkit", "top", job.run_id], tmp_path)
+    try:
+        deadline = time.monotonic() + bound(60)
+        screen = ""
+        while time.monotonic() < deadline and not re.search(r"│\s+1 │", screen):
+            time.sleep(0.5)
+            screen = term.screen()
+        assert re.search(r"│\s+1 │", screen), f"no row of rank 1:\n{screen}"
+        assert f"job {job.run_id}" in screen
+        first = term.screen()
+        time.sleep(2.5)
+        assert term.screen() != first, f"the table refreshes (at least once a second):\n{first}"
+        term.keys("q")
+        assert term.exit_code(20) == 0
+        assert job.proc.poll() is None, "quitting top never touches the job"
+    finally:
+        term.close()
+        job.proc.terminate()
+        job.finish(60)
+    assert not job.survivors()
+
+
+def test_top_without_a_job_says_so():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("_DDPKIT")}
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "top", "nosuchjob", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2
+    assert "no job 'nosuchjob'" in out.stderr or "no running training job" in out.stderr
