@@ -8,12 +8,15 @@
 #   bash benchmarks/gpu.sh training     # bench ddp: GPT b8/b32 with --graphs, ResNet b64
 #   bash benchmarks/gpu.sh faults       # only the NCCL fault tests, on every GPU
 #   bash benchmarks/gpu.sh clients      # bench ddp against Accelerate and Fabric
+#   bash benchmarks/gpu.sh speed        # what step timing costs (GPT-2-small bf16; the CPU
+#                                       # demo's model), doctor's transport line
+#   bash benchmarks/gpu.sh shard        # bench ddp --shard (DDP against FSDP2) with --grow
 #
 # Run from the repository root (the device tool does): ddpkit from the tree (PYTHONPATH=src).
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients"}
+MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients | speed | shard"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -76,6 +79,27 @@ clients)
   machine
   timeout 580 python3 -m ddpkit bench ddp --model gpt --gpus "$(counts)" --batch 8 --steps 40 \
     --frameworks --json "$OUT/ddp_clients.json" 2>&1 | grep -v "^ddpkit: run" | tee "$OUT/clients.txt"
+  ;;
+speed)
+  machine
+  for batch in 8 12; do
+    timeout 200 python3 benchmarks/step_timing_cost.py --device cuda --model gpt --batch "$batch" \
+      --steps 20 --rounds 10 >"$OUT/step_timing_gpt_b$batch.txt" 2>&1 || echo "FAILED gpt b$batch"
+  done
+  timeout 200 python3 benchmarks/step_timing_cost.py --device cpu --model digits --batch 32 \
+    --steps 50 --rounds 10 >"$OUT/step_timing_digits_cpu.txt" 2>&1 || echo "FAILED digits"
+  timeout 150 python3 -m ddpkit run -n gpu benchmarks/bucket_hook_cost.py 2>&1 |
+    grep -v "^ddpkit:" >"$OUT/bucket_hook_cost.txt"
+  timeout 120 python3 -m ddpkit doctor >"$OUT/doctor.txt" 2>&1
+  cat "$OUT"/step_timing_*.txt "$OUT/bucket_hook_cost.txt"
+  grep -E "smoke|NCCL|transport" "$OUT/doctor.txt"
+  ;;
+shard)
+  machine
+  timeout 150 python3 -m ddpkit run -n gpu benchmarks/reshard_choice.py 2>&1 |
+    grep -v "^ddpkit:" | tee "$OUT/reshard.txt"
+  timeout 420 python3 -m ddpkit bench ddp --shard --gpus "$(counts)" --batch 8 --steps 20 \
+    --grow --json "$OUT/shard.json" 2>&1 | tee "$OUT/shard.txt"
   ;;
 *)
   echo "unknown mode $MODE" >&2

@@ -136,6 +136,10 @@ class GraphedStep:
         caller = sys._getframe(1)
         site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
         self.graph.replay()
+        # a replay runs the optimizer's step without calling optimizer.step(): mark it
+        from ddpkit.rank.steps import mark_step
+
+        mark_step(self.optimizers[0] if self.optimizers else self)
         done = torch.cuda.Event()
         done.record()
         # One replay in flight: this call returns once the previous one is done, so the GPU

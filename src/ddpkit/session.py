@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import bucket_layout, checkpoint, comm, joining, loaders, protocol, state
+from ddpkit import bucket_layout, checkpoint, comm, joining, loaders, protocol, sharding, state
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
 from ddpkit.graphs import ASYNC_VARIABLE, capture
 from ddpkit.seeding import seed_everything
 from ddpkit.stopping import StopFlag
 from ddpkit.training import Precision
-from ddpkit.wrapping import WRAP_DEFAULTS, buffers_are_batchnorm_statistics
+from ddpkit.wrapping import WRAP_DEFAULTS, buffers_are_batchnorm_statistics, unwrap
 
 
 @dataclass
@@ -97,13 +97,17 @@ class Session:
         model: nn.Module,
         compress: str | None = None,
         compile: bool = False,
+        shard: sharding.Choice = False,
         **ddp_kwargs: Any,
     ) -> nn.Module:
         """Move `model` to this rank's device; wrap it in DistributedDataParallel when the job
         has more than one process (device_ids = this LOCAL rank on GPU), with WRAP_DEFAULTS
         unless given. compress="bf16"|"fp16" all-reduces gradients in half precision (for
         slow links: half the bytes, some precision lost); compile=True applies torch.compile
-        to the result."""
+        to the result. shard=True (or a list of block classes, or a callable) shards the
+        model with FSDP2 instead of DDP (ddpkit.sharding)."""
+        if shard is not False and shard is not None:
+            return self._shard(model, shard, compress, compile, ddp_kwargs)
         if compress not in (None, "bf16", "fp16"):
             raise ConfigError(
                 f"wrap(compress={compress!r}) is not 'bf16', 'fp16' or None",
@@ -148,6 +152,51 @@ class Session:
                 bucket_layout.install(model, inner=hook)
         return torch.compile(model) if compile else model
 
+    def _shard(
+        self,
+        model: nn.Module,
+        choice: sharding.Choice,
+        compress: str | None,
+        compile: bool,
+        ddp_kwargs: dict[str, Any],
+    ) -> nn.Module:
+        if compress is not None or ddp_kwargs:
+            given = ", ".join([*(["compress"] if compress else []), *ddp_kwargs])
+            raise ConfigError(
+                f"s.wrap(shard=...) takes no DDP options ({given})",
+                fix="leave them out: a sharded model reduces gradients with FSDP2's own "
+                "reduce-scatter (in fp32 under bf16 precision)",
+            )
+        if self._graphs:
+            raise ConfigError(
+                "s.wrap(shard=True) with setup(graphs=True): FSDP2's hooks all-gather and free "
+                "parameters on the host, which a captured CUDA graph cannot replay",
+                fix="run sharded steps eagerly: leave graphs=True out",
+            )
+        sharding.check_torch(self.backend)
+        model = model.to(self.device)
+        if self.world_size > 1:
+            sharding.shard(model, choice, self.device, self._precision.precision, self.world_size)
+        return torch.compile(model) if compile else model
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Collective: the model's whole state dict on rank 0, on the CPU, plain tensors
+        (`torch.save`-loadable, no ddpkit needed to read it); {} on the other ranks. For a
+        sharded model the shards are gathered; for others it is the unwrapped state_dict."""
+        inner = unwrap(model)
+        if sharding.is_sharded(inner):
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            found = get_model_state_dict(inner, options=options)
+            return dict(found) if self.is_main else {}
+        if not self.is_main:
+            return {}
+        return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module, every: int) -> Iterator[Step]:
         """One micro-step of gradient accumulation: gradients are synchronised only on every
@@ -160,6 +209,11 @@ class Session:
         count = self._micro_steps.get(id(model), 0) + 1
         self._micro_steps[id(model)] = count
         step = Step(index=count, sync=count % every == 0)
+        inner = unwrap(model)
+        if sharding.is_sharded(inner):  # FSDP2: no no_sync(), a switch on the module
+            inner.set_requires_gradient_sync(step.sync)  # type: ignore[operator]
+            yield step
+            return
         no_sync = getattr(model, "no_sync", None)
         if step.sync or no_sync is None:
             yield step
@@ -229,6 +283,12 @@ class Session:
         On the CPU or gloo the step runs eagerly."""
         models = [model] if isinstance(model, nn.Module) else list(model)
         optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+        if any(sharding.is_sharded(unwrap(m)) for m in models):
+            raise ConfigError(
+                "s.graph cannot capture a sharded model's step: FSDP2 gathers and frees "
+                "parameters from the host around every unit, which a CUDA graph cannot replay",
+                fix="call the step eagerly (without s.graph); graphed steps are for DDP models",
+            )
         graphed = capture(
             step,
             inputs,
@@ -256,8 +316,11 @@ class Session:
         self._precision.step(optimizer)
 
     def clip(self, model: nn.Module, max_norm: float, optimizer: Any = None) -> torch.Tensor:
-        """Clip gradients to a global norm (unscaled first with fp16: pass the optimizer)."""
-        return self._precision.clip(model, max_norm, optimizer)
+        """Clip gradients to a global norm (unscaled first with fp16: pass the optimizer); the
+        norm before clipping is returned, over every rank's shard for a sharded model."""
+        norm = self._precision.clip(model, max_norm, optimizer)
+        full = getattr(norm, "full_tensor", None)  # a DTensor: the norm of sharded gradients
+        return full() if callable(full) else norm
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -309,6 +372,8 @@ class Session:
         """Collective: rank 0 writes `obj` atomically; every rank returns once it is on disk
         (or every rank raises if writing failed)."""
         error = None
+        if sharding.has_dtensors(obj):  # a sharded state_dict(): every rank gives its shards
+            obj = sharding.full_tensors(obj)
         if self.is_main:
             try:
                 checkpoint.write_atomic(obj, path)

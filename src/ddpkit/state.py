@@ -6,11 +6,14 @@ Layout (a folder per save, made atomic by a rename once every rank has written i
     path/state-00000012/shared.pt     rank 0: model, optimizer, schedules, scaler, dicts
     path/state-00000012/rank0.pt ...  each rank: its RNG states, its loaders' positions
     path/state-00000012/COMPLETE      written last: a state without it is never loaded
+    path/state-00000012/sharded/      a sharded (FSDP2) model and its optimizers: every rank
+                                      writes its own shard (torch.distributed.checkpoint)
 
 A save killed midway leaves `path/.state-*.tmp` (ignored, removed by the next save) and the
 previous state loadable. `keep` states are kept, the older removed. Everything is read with
-weights_only=True. The model/optimizer part loads after a change of world size; the per-rank
-part (RNG, loader positions) cannot follow one and says so.
+weights_only=True. The model/optimizer part loads after a change of world size (a sharded
+model's too: torch.distributed.checkpoint reshards it); the per-rank part (RNG, loader
+positions) cannot follow one and says so. No rank ever gathers a whole sharded model.
 """
 
 from __future__ import annotations
@@ -114,7 +117,10 @@ def save_state(
     _fail_if(error)
     tmp = root / f".{STATE_PREFIX}{seq:08d}.tmp"
     error = None
+    sharded = _sharded_part(objects, kinds)
     try:
+        if sharded is not None:  # collective: each rank writes its shard
+            _save_sharded(tmp / "sharded", objects, sharded)
         mine = {
             "format": FORMAT,
             "rank": rank,
@@ -131,8 +137,9 @@ def save_state(
                 "stateful": {
                     n: _unwrapped(o).state_dict()
                     for n, o in objects.items()
-                    if kinds[n] == "stateful"
+                    if kinds[n] == "stateful" and not (sharded and n in sharded)
                 },
+                "sharded": sharded or [],
                 "dicts": {n: dict(o) for n, o in objects.items() if kinds[n] == "dict"},
             }
             _write(tmp / "shared.pt", shared)
@@ -231,8 +238,20 @@ def load_state(
             fix="load only the replicated part: s.load_state(path, model=..., optimizer=..., "
             "rng=False), without the loader (its epoch starts over)",
         )
+    sharded = list(shared.get("sharded") or [])
+    if sharded:
+        mine_sharded = _sharded_part(objects, kinds) or []
+        if sorted(mine_sharded) != sorted(sharded):
+            raise CheckpointError(
+                f"{folder} holds the sharded model and optimizers {sharded}; this call gives "
+                f"{mine_sharded or 'none'}",
+                fix="pass the same names as at save_state (the model wrapped with shard=True)",
+            )
+        _load_sharded(folder / "sharded", objects, sharded)
     for name, kind in kinds.items():
         obj = objects[name]
+        if name in sharded:
+            continue
         if kind == "stateful":
             if name not in shared["stateful"]:
                 raise _missing(folder, name)
@@ -263,6 +282,58 @@ def _line_up_buckets(obj: Any) -> None:
     ddp = bucket_layout.find_ddp(obj)
     if ddp is not None:
         bucket_layout.install(ddp)
+
+
+# -- a sharded model (FSDP2): torch.distributed.checkpoint, one shard per rank -----------------
+
+
+def _sharded_part(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[str] | None:
+    """Names of the sharded model and of the optimizers that go with it, or None."""
+    from ddpkit.sharding import is_sharded
+
+    models = [n for n, o in objects.items() if kinds[n] == "stateful" and is_sharded(o)]
+    if not models:
+        return None
+    if len(models) > 1:
+        raise CheckpointError(
+            f"save_state got {len(models)} sharded models ({', '.join(models)})",
+            fix="save one sharded model (and its optimizers) per state folder",
+        )
+    optimizers = [n for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)]
+    return models + optimizers
+
+
+def _split(objects: Mapping[str, Any], names: list[str]) -> tuple[Any, list[Any]]:
+    return _unwrapped(objects[names[0]]), [objects[n] for n in names[1:]]
+
+
+def _save_sharded(folder: Path, objects: Mapping[str, Any], names: list[str]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizers = _split(objects, names)
+    model_state, optim_state = get_state_dict(model, optimizers)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+
+
+def _load_sharded(folder: Path, objects: Mapping[str, Any], names: list[str]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizers = _split(objects, names)
+    model_state, optim_state = get_state_dict(model, optimizers)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except Exception as err:
+        raise CheckpointError(
+            f"{folder} could not be read: {type(err).__name__}: {str(err)[:200]}",
+            fix="the state is damaged or from another model; remove its folder to resume "
+            "from the one before",
+        ) from err
+    set_state_dict(
+        model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
 
 
 def _read(file: Path, device: torch.device) -> Any:

@@ -101,6 +101,8 @@ def test_demo_trains_on_bundled_data_and_reports_accuracy_and_a_summary(tmp_path
     assert accuracy > 0.85
     assert "summary: 2 rank(s), backend gloo" in job.stdout
     assert "samples/s" in job.stdout
+    assert "straggler" not in job.stderr, "an even job: no verdict"
+    assert "step times per rank" in job.stderr, "each rank's steps, timed with no code change"
 
 
 def test_an_option_variable_does_not_make_a_process_part_of_a_job():

@@ -65,6 +65,7 @@ def test_the_slowed_rank_is_named_with_its_cause_and_an_even_phase_with_none(
     assert not [v for v in said if "rank 1" not in v], "only rank 1 was slowed"
     assert time.monotonic() - began < bound(200)
     assert "step times per rank" in job.stderr
+    assert (job.log_dir / job.run_id / "steps.png").stat().st_size > 1000, "matplotlib: a plot"
     report = json.loads((job.log_dir / job.run_id / "speed.json").read_text())
     assert [r["rank"] for r in report["ranks"]] == list(range(world))
     assert report["slowest"]["rank"] == 1

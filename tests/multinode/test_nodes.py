@@ -150,6 +150,20 @@ def test_two_kubernetes_pods_form_one_job_from_torchruns_pet_variables_alone(two
     assert_nothing_left(procs)
 
 
+def test_a_slow_rank_on_node_1_is_named_from_node_0_with_its_host(two, tmp_path):
+    script = str(Path(__file__).parents[1] / "e2e" / "scripts" / "uneven.py")
+    args = [*rdzv(two, 2), "--straggler-window", "30", script, "even", "compute:1.5"]
+    procs = run_on(two, tmp_path, [*args, "--phase", "300"])
+    codes = [p.finish(200) for p in procs]
+    assert codes == [0, 0], procs[0].stderr + procs[1].stderr
+    said = [x for x in procs[0].stderr.splitlines() if "straggler:" in x]
+    assert said, procs[0].stderr
+    assert said[0].startswith("ddpkit: straggler: rank 1 (node1"), said[0]
+    assert "computes" in said[0]
+    assert "straggler:" not in procs[1].stderr, "node 0 decides, once, for the whole job"
+    assert_nothing_left(procs)
+
+
 def _running(cluster: Cluster, tmp_path: Path, nodes: int = 2) -> list[Proc]:
     procs = run_on(cluster, tmp_path, [*rdzv(cluster, nodes), str(SCRIPT), "600", "--sleep", "1"])
     for p in procs:

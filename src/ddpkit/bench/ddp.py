@@ -50,6 +50,10 @@ def parse_counts(text: str | None, gpus: int) -> list[int]:
 def run(args: Any) -> int:
     gpus = visible_gpu_count()
     counts = parse_counts(args.gpus, gpus)
+    if getattr(args, "shard", False):
+        from ddpkit.bench.shard import run_shard
+
+        return run_shard(args, counts, gpus)
     model = args.model or ("gpt" if gpus else "tiny")
     args.precision = args.precision or ("bf16" if gpus else "fp32")
     if args.precision not in ("bf16", "fp32"):

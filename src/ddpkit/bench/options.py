@@ -135,6 +135,18 @@ def add_ddp_flags(p: argparse.ArgumentParser) -> None:
         help="also time Accelerate and Lightning Fabric (when installed), "
         "interleaved in the same jobs",
     )
+    p.add_argument(
+        "--shard",
+        action="store_true",
+        help="DDP against sharded (FSDP2, s.wrap(shard=True)): step time, peak memory and "
+        "bytes held per GPU, per GPU count (GPUs; docs/sharding.md)",
+    )
+    p.add_argument(
+        "--grow",
+        action="store_true",
+        help="with --shard: also find the largest model of the family each trains here",
+    )
+    p.add_argument("--layers", type=int, default=12, help="with --shard: the GPT's layers")
 
 
 def from_args(args: argparse.Namespace, world: int, gpu: bool) -> BenchConfig:

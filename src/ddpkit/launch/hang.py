@@ -297,6 +297,11 @@ def where(
             return f"wait in {f.func}", site
     if any(module.startswith("utils/data/") for _, module in modules):
         return "wait for a DataLoader batch", site
+    fsdp = [f for f, module in modules if module.startswith("distributed/fsdp/")]
+    if fsdp and hung:  # FSDP2 waits for its own collectives inside its hooks
+        names = " ".join(f.func for f in fsdp)
+        kind = "reduce-scatter" if "reduce" in names or "post_backward" in names else "all-gather"
+        return f"wait in FSDP's {kind}", site
     in_backward = any(
         (module == "_tensor.py" and f.func == "backward")
         or (module.startswith("autograd/") and f.func in ("backward", "_engine_run_backward"))

@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ddpkit import protocol
+from ddpkit import nccl_transport, protocol
 from ddpkit.launch import evidence, straggler
 from ddpkit.launch.straggler import Finding, RankSummary
 
@@ -103,6 +103,7 @@ class SpeedWatch:
         self.started = time.time()
         self.summaries: dict[int, RankSummary] = {}
         self.history: list[dict[str, Any]] = []  # episodes, for speed.json
+        self.transport: str | None = None  # NCCL's, once its log says it is connected
 
     # -- while the job runs ---------------------------------------------------------------
 
@@ -157,7 +158,32 @@ class SpeedWatch:
                 continue
         return pids
 
+    def _check_transport(self) -> None:
+        """Once NCCL has connected: which transport it chose, and any slower path taken."""
+        if self.transport is not None or not nccl_transport.complete(self.run_dir):
+            return
+        found = nccl_transport.read(self.run_dir, self.host)
+        self.transport = found.line() if found.ranks != 1 else "one rank: no data moves"
+        self.notes.append(f"NCCL transport: {self.transport}")
+        from ddpkit.doctor.facts import infiniband_devices
+
+        said = nccl_transport.warnings(
+            found,
+            nvlinked=self._nvlinked(),
+            infiniband=infiniband_devices(),
+            interfaces=nccl_transport.interface_speeds(),
+        )
+        self.notes.extend(f"warning: {line}" for line in said)
+
+    def _nvlinked(self) -> bool:
+        """This machine's GPUs have active NVLinks (NVML)."""
+        from ddpkit.gpus import link_peak
+
+        peak = link_peak(0)
+        return bool(peak) and str(peak.get("link", "")).startswith("NVLink")
+
     def _evaluate(self) -> None:
+        self._check_transport()
         mine = self.local_summaries()
         for s in mine:
             self.summaries[s.rank] = s
@@ -217,6 +243,7 @@ class SpeedWatch:
         """The job's per-rank summary (text for the console, "" for a job of a few steps);
         speed.json and steps.png in the run folder."""
         self._read()
+        self._check_transport()  # a short job may end before an evaluation read it
         self.gpus.close()
         rows = []
         for track in sorted(self.tracks.values(), key=lambda t: t.rank):

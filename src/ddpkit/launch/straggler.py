@@ -108,7 +108,11 @@ class Episodes:
                 self.current, self._streak = finding, 0
                 return "start", finding
             return "", None
-        if finding is not None and finding.rank == self.current.rank:
+        if (
+            finding is not None
+            and finding.rank == self.current.rank
+            and finding.part == self.current.part  # another cause is another episode
+        ):
             self.current, self._streak = finding, 0
             return "", None
         self._streak += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -19,6 +19,7 @@ class JobResult:
     result: dict[str, Any] | None  # the JSON after the marker, when the job printed it
     exit_code: int | None  # None: stopped at the bound
     output: str  # the last lines of stdout and stderr, for an error message
+    transport: list[str] = field(default_factory=list)  # the launcher's NCCL transport lines
 
     @property
     def ok(self) -> bool:
@@ -37,4 +38,9 @@ def run_job(run_args: list[str], marker: str, bound: float) -> JobResult:
     line = next((x for x in out.stdout.splitlines() if f"{marker} " in x), None)
     result = json.loads(line.split(f"{marker} ", 1)[1]) if line else None
     tail = "\n".join((out.stdout + out.stderr).splitlines()[-15:])
-    return JobResult(result, out.returncode, tail)
+    transport = [
+        x.split("ddpkit: ", 1)[1]
+        for x in out.stderr.splitlines()
+        if x.startswith(("ddpkit: NCCL transport:", "ddpkit: warning: NCCL"))
+    ]
+    return JobResult(result, out.returncode, tail, transport)

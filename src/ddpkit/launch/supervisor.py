@@ -170,6 +170,8 @@ def _run_attempt(
         end_orphans({w.proc.pid for w in workers}, watchdog.pid)
     if speed is not None and not signals.count:
         summary = speed.finish()
+        while speed.notes:
+            _say(speed.notes.pop(0))
         if summary:
             _say(summary)
     outcome.finalize(workers, run_dir, state_dir)

@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from ddpkit import procs, protocol
+from ddpkit import nccl_transport, procs, protocol
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.nodes import NodeGroup
 from ddpkit.launch.output import RankOutput
@@ -108,6 +108,11 @@ def worker_env(
         if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
+    if cfg.backend != "gloo" and "NCCL_DEBUG" not in env:
+        # NCCL's own log of the transports it chose, into the run folder, never the console
+        # (a user's NCCL_DEBUG is theirs: then nothing is read; ddpkit.nccl_transport)
+        env["NCCL_DEBUG"] = "INFO"
+        env["NCCL_DEBUG_FILE"] = str(state_dir.parent / nccl_transport.LOG_PATTERN)
     if not cfg.track:
         env[protocol.TRACK] = "0"
     if cfg.check_collectives:

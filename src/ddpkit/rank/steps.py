@@ -59,7 +59,13 @@ class Clock:
 
     # -- the step boundary --------------------------------------------------------------
 
+    def _capturing(self) -> bool:
+        """A CUDA graph is being captured (s.graph): no events, no boundary, until replays."""
+        return self.cuda is not None and self.cuda.is_current_stream_capturing()
+
     def after_step(self, optimizer: Any) -> None:
+        if self._capturing():
+            return
         if self.owner is None:
             self.owner = id(optimizer)
             self._learn(optimizer)
@@ -121,7 +127,8 @@ class Clock:
     # -- the last gradient of a backward --------------------------------------------------
 
     def _learn(self, optimizer: Any) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        groups = getattr(optimizer, "param_groups", None) or []
+        params = [p for g in groups for p in g["params"] if p.requires_grad]
         if params and params[0].is_cuda:
             import torch
 
@@ -155,6 +162,8 @@ class Clock:
         self.params = []
 
     def _grad_done(self, param: Any) -> None:
+        if self._capturing():
+            return
         self.grads_at = time.perf_counter()
         if self.cuda is not None:
             self.grad_event = self.cuda.Event(enable_timing=True)
@@ -163,7 +172,7 @@ class Clock:
     def backward_ended(self, began: float) -> None:
         """After a backward pass: the time from its last gradient to its end was spent
         waiting for DDP's all-reduces (on a GPU: timed by events on the stream)."""
-        if self.grads_at < began:
+        if self.grads_at < began or self._capturing():
             return  # no hooked gradient in this backward (a no_sync micro-step of another model)
         if self.cuda is not None:
             if self.grad_event is not None and len(self.waits) < MAX_BACKWARDS:
@@ -250,6 +259,42 @@ def install_optimizer_hooks(optimizer_module: Any) -> None:
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _clock is not None:
         _clock.after_step(optimizer)
+
+
+def timed_here(path: Any) -> Any:
+    """Time this process's steps into the step record at `path` as a rank's are, and return a
+    function that takes every hook out again (benchmarks/step_timing_cost.py compares both in
+    one run)."""
+    global _clock
+    import torch.autograd
+    import torch.optim.optimizer as optimizer_module
+    import torch.utils.data.dataloader as dataloader
+
+    saved_next = dataloader._BaseDataLoaderIter.__next__
+    saved_backward = torch.autograd.backward
+    _clock = Clock(protocol.StepWriter(path))
+    handle = optimizer_module.register_optimizer_step_post_hook(_after_step)
+    patch_dataloader(dataloader)
+    patch_backward(torch.autograd)
+
+    def remove() -> None:
+        global _clock
+        handle.remove()
+        dataloader._BaseDataLoaderIter.__next__ = saved_next
+        torch.autograd.backward = saved_backward
+        if _clock is not None:
+            flush()
+            for _, hook in _clock.hooks:
+                hook.remove()
+        _clock = None
+
+    return remove
+
+
+def mark_step(owner: Any) -> None:
+    """A step that did not call optimizer.step() (a replayed CUDA graph) ends here."""
+    if _clock is not None:
+        _clock.after_step(owner)
 
 
 def flush() -> None:

@@ -1,0 +1,113 @@
+"""What timing every step costs (issue 22: at most 0.5% of a step), measured in one run: blocks
+of training steps with ddpkit's step timing installed (ddpkit.rank.steps: the optimizer hook,
+the timed backward and DataLoader, the last gradient's hook, CUDA events) alternate with blocks
+without it; each block is timed end to end (synchronised on a GPU), after a warm-up; the table
+gives the median step of each and their ratio.
+
+    python benchmarks/step_timing_cost.py --device cuda --model gpt --batch 8   # 1 H200, bf16
+    python benchmarks/step_timing_cost.py --device cpu --model digits           # the CPU demo's
+
+One process, world size 1: what is measured is the rank's own cost, which does not depend on
+how many ranks there are (each rank times only itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def model_and_data(name: str, batch: int, device: torch.device):
+    if name == "gpt":
+        from ddpkit.bench.models import gpt
+
+        model, make = gpt()
+        x, y = make(batch, device)
+        data = [(x, y)] * 64
+    else:  # the demo's: digits, its MLP, its batch size
+        from ddpkit.examples.digits import build_model, load_digits
+
+        images, labels = load_digits()
+        data_set = torch.utils.data.TensorDataset(images, labels)
+        loader = torch.utils.data.DataLoader(data_set, batch_size=batch, shuffle=True)
+        data = loader
+        model = build_model()
+    return model.to(device), data
+
+
+def run_block(model, opt, data, steps: int, device: torch.device, bf16: bool) -> float:
+    """Seconds per step over `steps` steps (the DataLoader's batches reused in a cycle)."""
+    it = iter(data)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(steps):
+        try:
+            x, y = next(it)
+        except StopIteration:
+            it = iter(data)
+            x, y = next(it)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        ctx = torch.autocast("cuda", torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with ctx:
+            loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - began) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", choices=["gpt", "digits"], default="gpt")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20, help="steps per block")
+    p.add_argument("--rounds", type=int, default=8, help="blocks of each kind")
+    args = p.parse_args()
+    from ddpkit.rank.steps import timed_here
+
+    device = torch.device(args.device)
+    model, data = model_and_data(args.model, args.batch, device)
+    bf16 = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    run_block(model, opt, data, args.steps, device, bf16)  # warm-up
+    record = Path(tempfile.mkdtemp()) / "rank0.steps"
+    off, on = [], []
+    for _ in range(args.rounds):
+        off.append(run_block(model, opt, data, args.steps, device, bf16))
+        remove = timed_here(record)
+        on.append(run_block(model, opt, data, args.steps, device, bf16))
+        remove()
+    from ddpkit import protocol
+
+    timed = protocol.read_steps(record.parent, 0)
+    t_off, t_on = statistics.median(off), statistics.median(on)
+    print(f"# step timing cost: {args.model} batch {args.batch} on {device} "
+          f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
+          f"{args.rounds} blocks of {args.steps} steps each way, medians")  # fmt: skip
+    print(f"{'without':>10} {'with':>10} {'cost':>8}  steps recorded")
+    print(
+        f"{t_off * 1e3:>8.2f}ms {t_on * 1e3:>8.2f}ms {(t_on - t_off) / t_off:>+8.2%}  "
+        f"{timed.count if timed else 0}"
+    )
+    if timed and timed.steps:
+        last = timed.steps[-1]
+        print(
+            f"# last timed step: total {last.total * 1e3:.2f} ms = data {last.data * 1e3:.2f} "
+            f"+ compute {last.compute * 1e3:.2f} + comm {last.comm * 1e3:.2f} + host "
+            f"{last.host * 1e3:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
