@@ -84,10 +84,10 @@ speed)
   machine
   for batch in 8 12; do
     timeout 200 python3 benchmarks/step_timing_cost.py --device cuda --model gpt --batch "$batch" \
-      --steps 20 --rounds 10 >"$OUT/step_timing_gpt_b$batch.txt" 2>&1 || echo "FAILED gpt b$batch"
+      --steps 10 --rounds 40 >"$OUT/step_timing_gpt_b$batch.txt" 2>&1 || echo "FAILED gpt b$batch"
   done
   timeout 200 python3 benchmarks/step_timing_cost.py --device cpu --model digits --batch 32 \
-    --steps 50 --rounds 10 >"$OUT/step_timing_digits_cpu.txt" 2>&1 || echo "FAILED digits"
+    --steps 50 --rounds 40 >"$OUT/step_timing_digits_cpu.txt" 2>&1 || echo "FAILED digits"
   timeout 150 python3 -m ddpkit run -n gpu benchmarks/bucket_hook_cost.py 2>&1 |
     grep -v "^ddpkit:" >"$OUT/bucket_hook_cost.txt"
   timeout 120 python3 -m ddpkit doctor >"$OUT/doctor.txt" 2>&1

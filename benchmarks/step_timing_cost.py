@@ -66,6 +66,43 @@ def run_block(model, opt, data, steps: int, device: torch.device, bf16: bool) ->
     return (time.perf_counter() - began) / steps
 
 
+def host_cost_us(device: torch.device, steps: int = 5000, repeats: int = 7) -> float:
+    """Microseconds per step the timing adds on the host: steps of a one-parameter model (so
+    the step itself is tiny and steady), with and without the hooks, the best of `repeats`."""
+    from ddpkit.rank.steps import timed_here
+
+    w = nn.Parameter(torch.ones(8, device=device))
+    opt = torch.optim.SGD([w], lr=1e-3)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(64, 8)))
+
+    def loop() -> float:
+        it = iter(data)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(steps):
+            try:
+                (x,) = next(it)
+            except StopIteration:
+                it = iter(data)
+                (x,) = next(it)
+            (w * x.to(device)).sum().backward()
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - began) / steps * 1e6
+
+    record = Path(tempfile.mkdtemp()) / "rank0.steps"
+    off, on = [], []
+    for _ in range(repeats):
+        off.append(loop())
+        remove = timed_here(record)
+        loop()  # learning the last gradient, GPU events warm
+        on.append(loop())
+        remove()
+    return min(on) - min(off)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -83,22 +120,33 @@ def main() -> None:
     run_block(model, opt, data, args.steps, device, bf16)  # warm-up
     record = Path(tempfile.mkdtemp()) / "rank0.steps"
     off, on = [], []
-    for _ in range(args.rounds):
-        off.append(run_block(model, opt, data, args.steps, device, bf16))
-        remove = timed_here(record)
-        on.append(run_block(model, opt, data, args.steps, device, bf16))
-        remove()
+    for i in range(args.rounds):  # alternate which goes first, so drift hits both alike
+        for timed_now in (False, True) if i % 2 == 0 else (True, False):
+            remove = timed_here(record) if timed_now else None
+            run_block(model, opt, data, 2, device, bf16)  # untimed: learning the last gradient
+            took = run_block(model, opt, data, args.steps, device, bf16)
+            (on if timed_now else off).append(took)
+            if remove is not None:
+                remove()
     from ddpkit import protocol
 
     timed = protocol.read_steps(record.parent, 0)
     t_off, t_on = statistics.median(off), statistics.median(on)
+    paired = statistics.median(b - a for a, b in zip(off, on, strict=True)) / t_off
     print(f"# step timing cost: {args.model} batch {args.batch} on {device} "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
           f"{args.rounds} blocks of {args.steps} steps each way, medians")  # fmt: skip
-    print(f"{'without':>10} {'with':>10} {'cost':>8}  steps recorded")
+    print(f"{'without':>10} {'with':>10} {'cost':>8} {'paired':>8}  steps recorded")
     print(
-        f"{t_off * 1e3:>8.2f}ms {t_on * 1e3:>8.2f}ms {(t_on - t_off) / t_off:>+8.2%}  "
-        f"{timed.count if timed else 0}"
+        f"{t_off * 1e3:>8.2f}ms {t_on * 1e3:>8.2f}ms {(t_on - t_off) / t_off:>+8.2%} "
+        f"{paired:>+8.2%}  {timed.count if timed else 0}"
+    )
+    spread = (statistics.quantiles(off, n=4)[2] - statistics.quantiles(off, n=4)[0]) / t_off
+    print(f"# noise: the IQR of the blocks without timing is {spread:.2%} of a step")
+    cost = host_cost_us(device)
+    print(
+        f"# host cost of the timing, measured on a one-parameter step: {cost:.1f} us per step "
+        f"= {cost / (t_off * 1e6):.3%} of this step"
     )
     if timed and timed.steps:
         last = timed.steps[-1]

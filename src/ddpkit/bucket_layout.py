@@ -245,13 +245,19 @@ def _first_step_layout(state: LayoutState, bucket: Any) -> list[list[tuple[int, 
 
 
 def _rebuild_limits(ddp: Any) -> list[int]:
-    """The bucket size limits DDP's Reducer rebuilds with (torch 2.4 to 2.14)."""
+    """The bucket size limits DDP's Reducer rebuilds with (torch 2.4 to 2.14): a small first
+    bucket only when bucket_cap_mb was left to its default."""
     config = getattr(ddp, "_bucket_config", None)
-    if config is not None:  # torch >= 2.10: one place holds them
+    if config is not None:  # newer torch: one place holds them
         if config.per_bucket_bytes_caps:
             return list(config.per_bucket_bytes_caps)
         return [config.first_bucket_bytes_cap, config.bucket_bytes_cap]
-    return [dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap]
+    first = (
+        dist._DEFAULT_FIRST_BUCKET_BYTES
+        if getattr(ddp, "bucket_bytes_cap_default", False)
+        else ddp.bucket_bytes_cap
+    )
+    return [first, ddp.bucket_bytes_cap]
 
 
 def _rank0s(order: list[int], group: Any, device: torch.device) -> list[int]:

@@ -15,10 +15,10 @@ from torch import nn
 from tests.groups.harness import run_ranks
 
 
-def _model() -> nn.Module:
+def _model(width: int = 300) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(32, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 10)
+        nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
     )
 
 
@@ -35,7 +35,7 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> str:
     return _digest(model)
 
 
-def _fresh_against_continuing(rank, world, tmp, how, bucket_cap_mb):
+def _fresh_against_continuing(rank, world, tmp, how, bucket_cap_mb, width=300):
     import io
     import sys
 
@@ -46,11 +46,12 @@ def _fresh_against_continuing(rank, world, tmp, how, bucket_cap_mb):
     err, sys.stderr = sys.stderr, io.StringIO()  # what the layout check would say
     try:
         with ddpkit.setup(seed=0) as s:
+            caps = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
 
             def wrapped(module: nn.Module) -> nn.Module:
                 if how == "s.wrap":
-                    return s.wrap(module, bucket_cap_mb=bucket_cap_mb)
-                ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+                    return s.wrap(module, **caps)
+                ddp = DistributedDataParallel(module, **caps)
                 s.load_state(tmp / "nothing", model=ddp)  # as a resumable script does first
                 return ddp
 
@@ -59,7 +60,7 @@ def _fresh_against_continuing(rank, world, tmp, how, bucket_cap_mb):
                 (torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
                 for _ in range(4)
             ]
-            continuing = wrapped(_model())
+            continuing = wrapped(_model(width))
             for x, y in batches[:3]:
                 _step(continuing, x, y)
             fresh = wrapped(copy.deepcopy(ddpkit.unwrap(continuing)))  # the resumed process
@@ -87,6 +88,15 @@ def test_with_one_bucket_for_all_the_first_step_is_lined_up_too(tmp_path):
     ):
         assert fresh == continuing
         assert not said
+
+
+def test_ddps_own_default_buckets_with_their_small_first_one_are_lined_up_too(tmp_path):
+    # bucket_cap_mb left out: DDP's 25 MB buckets after a 1 MB first one (this model: 1.5 MB)
+    for (continuing, fresh, _), said in run_ranks(
+        _fresh_against_continuing, 3, tmp_path, "own DDP", None, 600
+    ):
+        assert fresh == continuing
+        assert "rebuilt its gradient buckets unlike" not in said, said
 
 
 def _own_hook_after_wrap(rank, world, tmp):

@@ -201,3 +201,24 @@ def test_a_state_saved_by_2_ranks_loads_into_3_with_the_same_model_and_optimizer
             assert torch.equal(
                 torch.as_tensor(loaded[1]["state"][key][field]), torch.as_tensor(tensor)
             )
+
+
+def _save_a_sharded_state_dict(rank, world, tmp):
+    import ddpkit
+
+    with ddpkit.setup(seed=0) as s:
+        torch.manual_seed(0)
+        model = s.wrap(Tiny(), shard=True)
+        s.save(model.state_dict(), tmp / "model.pt")  # as a DDP script saves: every rank calls
+        return s.full_state_dict(model)
+
+
+def test_saving_a_sharded_state_dict_writes_the_whole_model_in_plain_tensors(tmp_path):
+    whole = run_ranks(_save_a_sharded_state_dict, 2, tmp_path)[0]
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)  # no ddpkit, no process group
+    plain = Tiny()
+    plain.load_state_dict(saved)  # loads into the unsharded model
+    assert sorted(saved) == sorted(whole)
+    for name, value in whole.items():
+        assert type(saved[name]) is torch.Tensor
+        assert torch.equal(saved[name], value), name

@@ -33,6 +33,17 @@ from typing import Any
 from ddpkit import protocol
 
 OFF_VARIABLE = "DDPKIT_STEP_TIMING"  # 0: no step timing in the ranks
+
+
+def _beat() -> None:
+    """A step is progress for the hang watch (ddpkit.rank.progress, found once)."""
+    global _beat
+    from ddpkit.rank.progress import beat
+
+    _beat = beat  # type: ignore[assignment]
+    beat()
+
+
 MAX_BACKWARDS = 16  # backward passes timed per step (gradient accumulation)
 
 
@@ -52,10 +63,12 @@ class Clock:
         self.grads_at = 0.0  # host time the last gradient of the current backward was computed
         self.grad_event: Any = None
         self.pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.spare: list[Any] = []  # CUDA events done with, used again (creating one costs)
         self.order: list[int] = []  # id() of parameters as their gradients came (learning)
         self.hooks: list[tuple[int, Any]] = []
         self.params: list[Any] = []  # the owning optimizer's, while learning the order
         self.learning = False
+        self.synced = False  # the job has other ranks to wait for
 
     # -- the step boundary --------------------------------------------------------------
 
@@ -78,31 +91,27 @@ class Clock:
             self.number += 1
             total = now - self.started
             if self.cuda is not None:
-                end = self.cuda.Event(enable_timing=True)
+                end = self._event()
                 end.record()
                 self.pending.append(
                     (self.number, time.time(), total, self.data, self.comm, self.start_event,
                      end, self.waits)
                 )  # fmt: skip
                 self.start_event = end
+                self.waits = []
                 self._drain()
             else:
-                comm = min(self.comm, total)
-                data = min(self.data, total - comm)
-                self.writer.write(
-                    protocol.Step(
-                        self.number, time.time(), total, data, total - comm - data, comm, 0.0
-                    )
+                comm = self.comm if self.comm < total else total
+                data = self.data if self.data < total - comm else total - comm
+                self.writer.write_values(
+                    self.number, time.time(), total, data, total - comm - data, comm, 0.0
                 )
         elif self.cuda is not None:
-            self.start_event = self.cuda.Event(enable_timing=True)
+            self.start_event = self._event()
             self.start_event.record()
         self.started = time.perf_counter()
         self.data = self.comm = 0.0
-        self.waits = []
-        from ddpkit.rank.progress import beat
-
-        beat()
+        _beat()
 
     def _drain(self, wait: bool = False) -> None:
         """Write the steps whose GPU events have completed (all of them with wait=True)."""
@@ -115,18 +124,25 @@ class Clock:
                 end.synchronize()
             span = start.elapsed_time(end) / 1e3 if start is not None else total
             comm_gpu = sum(g.elapsed_time(b) / 1e3 for g, b in waits)
+            # this step's end is the next one's start: every other event of it is free now
+            self.spare.extend([start, *(e for pair in waits for e in pair)] if start else [])
             comm = min(comm_host + comm_gpu, total)
             data = min(data, total - comm)
             compute = max(0.0, min(span - comm_gpu, total - comm - data))
-            self.writer.write(
-                protocol.Step(
-                    number, end_wall, total, data, compute, comm, total - comm - data - compute
-                )
+            self.writer.write_values(
+                number, end_wall, total, data, compute, comm, total - comm - data - compute
             )
+
+    def _event(self) -> Any:
+        return self.spare.pop() if self.spare else self.cuda.Event(enable_timing=True)
 
     # -- the last gradient of a backward --------------------------------------------------
 
     def _learn(self, optimizer: Any) -> None:
+        import torch.distributed as dist
+
+        # a backward waits for peers only when there are some (DDP's all-reduce at the end)
+        self.synced = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         groups = getattr(optimizer, "param_groups", None) or []
         params = [p for g in groups for p in g["params"] if p.requires_grad]
         if params and params[0].is_cuda:
@@ -152,7 +168,8 @@ class Clock:
         """After one step of learning: only the parameter whose gradient came last keeps a
         hook (the order is the same every step of a model without branches)."""
         self.learning = False
-        last = self.order[-1] if self.order else None
+        # alone, no backward waits for a peer: no hook is needed at all (it costs a call a step)
+        last = self.order[-1] if self.order and self.synced else None
         for _, handle in self.hooks:
             handle.remove()
         self.hooks, self.order = [], []
@@ -166,17 +183,17 @@ class Clock:
             return
         self.grads_at = time.perf_counter()
         if self.cuda is not None:
-            self.grad_event = self.cuda.Event(enable_timing=True)
+            self.grad_event = self._event()
             self.grad_event.record()
 
     def backward_ended(self, began: float) -> None:
         """After a backward pass: the time from its last gradient to its end was spent
         waiting for DDP's all-reduces (on a GPU: timed by events on the stream)."""
-        if self.grads_at < began or self._capturing():
-            return  # no hooked gradient in this backward (a no_sync micro-step of another model)
+        if not self.synced or self.grads_at < began or self._capturing():
+            return  # alone, or no hooked gradient in this backward (another model's)
         if self.cuda is not None:
             if self.grad_event is not None and len(self.waits) < MAX_BACKWARDS:
-                end = self.cuda.Event(enable_timing=True)
+                end = self._event()
                 end.record()
                 self.waits.append((self.grad_event, end))
             self.grad_event = None
