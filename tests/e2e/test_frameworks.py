@@ -69,7 +69,7 @@ def test_it_trains_on_two_ranks(tmp_path, script, extra, says):
 
 @pytest.mark.parametrize(("script", "extra", "says"), FRAMEWORKS)
 def test_a_stall_inside_it_is_named_at_the_users_line(tmp_path, script, extra, says):
-    job = run(tmp_path, script, extra, ["--hang-timeout", "6"], ["--stall-at", "3"])
+    job = run(tmp_path, script, extra, ["--hang-timeout", "4"], ["--stall-at", "3"])
     assert job.finish(200) == 124, job.stderr[-3000:]
     line = next(x for x in job.stderr.splitlines() if "root cause:" in x)
     site, func = STALLS[script]

@@ -36,8 +36,8 @@ def verdicts(text: str) -> list[str]:
     ("world", "phases"),
     [
         (2, ["even", "data", "even", "compute:1.5"]),
-        (3, ["even", "even", "compute:1.5"]),
-        (4, ["even", "even", "data"]),
+        (3, ["even", "compute:1.5"]),
+        (4, ["even", "data"]),
     ],
 )
 def test_the_slowed_rank_is_named_with_its_cause_and_an_even_phase_with_none(
