@@ -4,6 +4,7 @@ watch across nodes. Every test checks that nothing of the job survives on any no
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -161,6 +162,10 @@ def test_a_slow_rank_on_node_1_is_named_from_node_0_with_its_host(two, tmp_path)
     assert said[0].startswith("ddpkit: straggler: rank 1 (node1"), said[0]
     assert "computes" in said[0]
     assert "straggler:" not in procs[1].stderr, "node 0 decides, once, for the whole job"
+    # what `ddpkit top` shows on node 0: every node's ranks, each with its host
+    run_id = procs[0].run_id  # type: ignore[attr-defined]
+    live = json.loads(next((tmp_path / "node0").glob(f"{run_id}*/speed-live.json")).read_text())
+    assert {r["rank"]: r["host"] for r in live["ranks"]} == {0: "node0", 1: "node1"}
     assert_nothing_left(procs)
 
 
