@@ -98,6 +98,11 @@ shard)
   machine
   timeout 150 python3 -m ddpkit run -n gpu benchmarks/reshard_choice.py 2>&1 |
     grep -v "^ddpkit:" | tee "$OUT/reshard.txt"
+  timeout 100 python3 -m ddpkit run -n gpu benchmarks/fsdp_overhead.py 2>&1 |
+    grep -v "^ddpkit:" | tee "$OUT/fsdp_overhead.txt"
+  # batch 8 is bound by the host's time per step (FSDP2's hooks), batch 32 by the GPU's
+  timeout 120 python3 -m ddpkit bench ddp --shard --gpus "$(counts)" --batch 32 --steps 20 \
+    --json "$OUT/shard_b32.json" 2>&1 | tee "$OUT/shard_b32.txt"
   timeout 420 python3 -m ddpkit bench ddp --shard --gpus "$(counts)" --batch 8 --steps 20 \
     --grow --json "$OUT/shard.json" 2>&1 | tee "$OUT/shard.txt"
   ;;

@@ -69,3 +69,16 @@ def test_on_this_torch_shard_true_at_world_size_1_is_the_model_itself_or_a_clear
             assert s.wrap(model, shard=True) is model
         with pytest.raises(ConfigError, match="takes no DDP options"):
             s.wrap(model, shard=True, bucket_cap_mb=10)
+
+
+def test_bench_says_a_sharded_step_is_bound_by_the_host_only_when_that_is_why_it_is_slow():
+    from ddpkit.bench.shard import host_bound
+
+    ddp = {"step_ms": 36.4, "host_ms": 28.0}
+    # measured on one H200 at batch 8: FSDP2's hooks take 91 of its 99 ms
+    note = host_bound(1, ddp, {"step_ms": 98.9, "host_ms": 91.3})
+    assert "host takes 91.3 ms to issue a sharded step of 98.9 ms" in note
+    assert "--batch" in note
+    assert host_bound(1, ddp, {"step_ms": 40.0, "host_ms": 39.0}) == "", "within the goal"
+    assert host_bound(1, ddp, {"step_ms": 98.9, "host_ms": 20.0}) == "", "the GPU sets the pace"
+    assert host_bound(1, ddp, None) == "", "did not fit"

@@ -12,6 +12,8 @@ from typing import Any
 from ddpkit.errors import ConfigError, LaunchError
 
 BOUND = 900.0
+SLOWER = 1.15  # the goal: a sharded step at most this much longer than DDP's
+HOST = 0.8  # a step whose host time is this share of it waits on the host
 
 
 def run_shard(args: Any, counts: list[int], gpus: int) -> int:
@@ -60,6 +62,9 @@ def run_shard(args: Any, counts: list[int], gpus: int) -> int:
                 f"{row['held_mib']:9.0f} {share:14.3f}",
                 flush=True,
             )
+        note = host_bound(n, ddp, sharded)
+        if note:
+            print(note, flush=True)
         if found["grown"]:
             print(
                 f"# {n} rank(s): the largest GPT that trains here has "
@@ -76,6 +81,22 @@ def run_shard(args: Any, counts: list[int], gpus: int) -> int:
         with open(args.json, "w") as f:
             json.dump({"schema": "ddpkit.bench.shard/1", "config": cfg, "runs": results}, f)
     return 0
+
+
+def host_bound(n: int, ddp: dict | None, sharded: dict | None) -> str:
+    """Why the sharded step misses the goal, when the host's time to issue it is the reason."""
+    if not ddp or not sharded or "host_ms" not in sharded:
+        return ""
+    if (
+        sharded["step_ms"] <= SLOWER * ddp["step_ms"]
+        or sharded["host_ms"] < HOST * sharded["step_ms"]
+    ):
+        return ""
+    return (
+        f"# {n} rank(s): the host takes {sharded['host_ms']:.1f} ms to issue a sharded step of "
+        f"{sharded['step_ms']:.1f} ms: FSDP2's per-unit hooks, not the GPU, set its pace; a larger "
+        f"--batch per rank (or fewer, larger units) hides them"
+    )
 
 
 def _job(n: int, cfg: dict[str, Any]) -> dict[str, Any]:

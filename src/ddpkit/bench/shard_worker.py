@@ -3,7 +3,8 @@ and sharded (`s.wrap(model, shard=True)`, FSDP2), one after the other in the sam
 median step time, the peak memory, and the bytes each rank holds for parameters, gradients and
 optimizer state; with `grow`, the largest model of the family each trains here (layers
 doubled, then halved back, until a step no longer fits). Rank 0 prints one
-`DDPKIT_SHARD_BENCH {json}` line.
+`DDPKIT_SHARD_BENCH {json}` line. `host_ms` is the host's time to issue a step (the GPU
+drained before it): near `step_ms`, the step waits on Python (FSDP2's hooks), not on the GPU.
 
 At world size 1, `force` shards anyway (a mesh of one GPU): FSDP2's machinery runs, no memory
 can be saved; `ddpkit bench ddp` says so.
@@ -62,7 +63,7 @@ def trial(s: Any, variant: str, layers: int, cfg: dict[str, Any]) -> dict[str, A
             model = s.wrap(model, shard=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=s.device.type == "cuda")
         x, y = make(cfg["batch"], s.device)
-        times = []
+        times, issued = [], []
         torch.cuda.reset_peak_memory_stats(s.device)
         for i in range(cfg["warmup"] + cfg["steps"]):
             torch.cuda.synchronize(s.device)
@@ -72,11 +73,15 @@ def trial(s: Any, variant: str, layers: int, cfg: dict[str, Any]) -> dict[str, A
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=False)
+            host_done = time.perf_counter()  # the host has issued the whole step
             torch.cuda.synchronize(s.device)
             if i >= cfg["warmup"]:
                 times.append(time.perf_counter() - began)
+                issued.append(host_done - began)
         result = {
             "step_ms": s.reduce(statistics.median(times), op="max") * 1e3,
+            # a step whose host time is (nearly) all of it waits on Python, not on the GPU
+            "host_ms": s.reduce(statistics.median(issued), op="max") * 1e3,
             "peak_mib": s.reduce(torch.cuda.max_memory_allocated(s.device) / 2**20, op="max"),
             "held_mib": s.reduce(held_bytes(model, opt) / 2**20, op="max"),
             "params": sum(
