@@ -93,7 +93,10 @@ def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
         line = next(v for v in verdicts(job.stderr) if "rank 1" in v)
         assert "computes" in line
         assert f"pid {hog.pid}" in line, line
-        assert "rank 0" not in job.stderr.split("straggler: rank 1")[0]
+        # rank 0 may be named too when the machine is busy with others' work (the suite runs
+        # in two workers on two cores): then with its own evidence, never the hog on core 1
+        for other in (v for v in verdicts(job.stderr) if "straggler: rank 0 " in v):
+            assert f"pid {hog.pid}" not in other, other
     finally:
         if hog is not None:
             hog.kill()
