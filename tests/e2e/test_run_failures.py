@@ -51,7 +51,9 @@ def test_ctrl_c_or_sigterm_in_any_phase_stops_everything_within_grace(tmp_path, 
     job.proc.send_signal(sig)
     took = gone_within(job, grace + 10)
     assert job.proc.returncode == 128 + sig
-    assert took < bound(grace + 2), f"took {took:.1f} s"
+    # SIGKILL comes at `grace`; after it the kernel tears down processes that hold torch and
+    # the launcher reports: 0.1-0.5 s idle, up to 2.2 s seen with CI's other worker on both cores
+    assert took < bound(grace + 3), f"took {took:.1f} s"
 
 
 def test_sigterm_while_the_hang_report_is_collected_stops_everything_within_grace(tmp_path):
