@@ -42,18 +42,21 @@ def model_and_data(name: str, batch: int, device: torch.device):
     return model.to(device), data
 
 
+def endless(data):
+    """The DataLoader's batches again and again, each pass a fresh iter() (so a timed loader is
+    timed on every batch, as in training; itertools.cycle would replay stored batches)."""
+    while True:
+        yield from data
+
+
 def run_block(model, opt, data, steps: int, device: torch.device, bf16: bool) -> float:
     """Seconds per step over `steps` steps (the DataLoader's batches reused in a cycle)."""
-    it = iter(data)
+    batches = endless(data)
     if device.type == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
     for _ in range(steps):
-        try:
-            x, y = next(it)
-        except StopIteration:
-            it = iter(data)
-            x, y = next(it)
+        x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         ctx = torch.autocast("cuda", torch.bfloat16) if bf16 else contextlib.nullcontext()
         with ctx:
@@ -76,16 +79,12 @@ def host_cost_us(device: torch.device, steps: int = 5000, repeats: int = 7) -> f
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(64, 8)))
 
     def loop() -> float:
-        it = iter(data)
+        batches = endless(data)
         if device.type == "cuda":
             torch.cuda.synchronize()
         began = time.perf_counter()
         for _ in range(steps):
-            try:
-                (x,) = next(it)
-            except StopIteration:
-                it = iter(data)
-                (x,) = next(it)
+            (x,) = next(batches)
             (w * x.to(device)).sum().backward()
             opt.step()
         if device.type == "cuda":
