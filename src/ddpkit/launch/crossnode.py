@@ -40,10 +40,12 @@ def finish(node: NodeGroup, live: Liveness) -> None:
     _shutdown_rendezvous(node)
 
 
-def leave(node: NodeGroup, live: Liveness, wait: float) -> None:
+def leave(node: NodeGroup, live: Liveness, wait: float, hurry: bool = False) -> None:
     """This node is done with the round (well or not). The nodes that serve a store wait, up
     to `wait` seconds, until every node has said so, so that no node loses the store before it
-    has read why the job stops; the others stop talking to the stores, then say so."""
+    has read why the job stops; the others stop talking to the stores, then say so. In a
+    `hurry` (a signal stops the job) a store that did not answer this node's last call is not
+    asked again: SIGTERM ends a node whose link is cut within its grace, not a call later."""
     if not node.multi_node or node.store is None:
         live.stop(0.5)
         return
@@ -52,8 +54,10 @@ def leave(node: NodeGroup, live: Liveness, wait: float) -> None:
         live.stop(0.5)
         if live.lost:  # node 0 is gone: there is no one to tell
             return
-    with contextlib.suppress(StoreUnreachableError):
-        node.store.call("add", node.store.key(f"done/{node.group_rank}"), 1, limit=min(wait, 5))
+    if not (hurry and node.store.unreachable):
+        with contextlib.suppress(StoreUnreachableError):
+            done = node.store.key(f"done/{node.group_rank}")
+            node.store.call("add", done, 1, limit=min(wait, 5))
     if host:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and not live.lost and not _all_done(node):

@@ -52,6 +52,8 @@ class BoundedStore:
     def __init__(self, addr: str, port: int, limit: float, prefix: str = "") -> None:
         self.addr, self.port, self.limit, self.prefix = addr, port, limit, prefix
         self._client: Any = None
+        # whether the latest call failed: a launcher in a hurry does not try again
+        self.unreachable = False
 
     @property
     def where(self) -> str:
@@ -69,10 +71,13 @@ class BoundedStore:
             return getattr(self._connected(), method)(*args)
 
         try:
-            return bounded(go, bound, f"{method} on the store at {self.where}")
+            value = bounded(go, bound, f"{method} on the store at {self.where}")
         except StoreUnreachableError:
             self._client = None  # never reuse a connection that may be stuck mid-call
+            self.unreachable = True
             raise
+        self.unreachable = False
+        return value
 
     def key(self, name: str) -> str:
         return self.prefix + name

@@ -83,7 +83,8 @@ def launch(cfg: LaunchConfig) -> int:
                 crossnode.finish(node, live)
                 break
             # a node that serves a store waits for the others to read why (bounded)
-            crossnode.leave(node, live, 1.0 if signals.count else cfg.node_timeout)
+            hurry = signals.count > 0
+            crossnode.leave(node, live, 1.0 if hurry else cfg.node_timeout, hurry=hurry)
             if outcome.membership and not signals.count:
                 _say(f"the job's nodes change ({outcome.summary}): every node starts again")
             else:
