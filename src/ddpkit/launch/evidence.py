@@ -141,10 +141,19 @@ class Host:
         return (used - before[0]) / (now - before[1])
 
 
+def part_on(cores: set[int], mine: set[int]) -> float:
+    """The part of a process's CPU time that can fall on the rank's cores `mine`, if it may
+    run on `cores` (spread evenly, as the scheduler spreads a busy process)."""
+    return len(cores & mine) / len(cores) if cores else 0.0
+
+
 def competitors(pid: int, job_pids: set[int], limit: int = 3) -> list[dict[str, Any]]:
     """Processes outside the job busy on the cores the rank may run on (its affinity), the
-    busiest first; empty when the rank may run on every core (then the host load says more).
-    Samples each candidate over 0.2 s: called only when a verdict is written."""
+    busiest there first; empty when the rank may run on every core (then the host load says
+    more). A process is charged the part of its CPU time that can fall on the rank's cores (a
+    hog pinned to the rank's core all of it, a process free to run on two cores of which one
+    is the rank's half), so a process pinned beside the rank ranks above busy ones that run
+    anywhere. Samples each candidate over 0.2 s: called only when a verdict is written."""
     try:
         mine = set(psutil.Process(pid).cpu_affinity() or [])
     except (psutil.Error, AttributeError):
@@ -156,14 +165,15 @@ def competitors(pid: int, job_pids: set[int], limit: int = 3) -> list[dict[str, 
         if proc.pid in job_pids or proc.pid == os.getpid():
             continue
         with contextlib.suppress(psutil.Error, AttributeError):
-            if set(proc.cpu_affinity()) & mine:
+            cores = set(proc.cpu_affinity())
+            if cores & mine:
                 proc.cpu_percent()
-                candidates.append(proc)
+                candidates.append((proc, part_on(cores, mine)))
     time.sleep(0.2)
     busy = []
-    for proc in candidates:
+    for proc, part in candidates:
         with contextlib.suppress(psutil.Error):
-            share = proc.cpu_percent()
+            share = proc.cpu_percent() * part
             if share >= 20:
                 busy.append({"pid": proc.pid, "name": _name(proc.pid), "percent": share})
     return sorted(busy, key=lambda b: -b["percent"])[:limit]
