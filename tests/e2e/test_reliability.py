@@ -142,7 +142,9 @@ def test_a_rank_that_never_calls_setup_is_named_within_the_init_timeout(tmp_path
     began = time.monotonic()
     job = start(["-n", "2", "--init-timeout", "5", str(SCRIPTS / "late_rank.py")], tmp_path)
     assert job.finish(60) == 1
-    assert time.monotonic() - began < bound(20)
+    # the 5 s timeout, the start and the stop: 9 s idle, 21 s seen with the 2 cores shared by
+    # four jobs; the default init timeout (300 s) is what a launcher that waited would show
+    assert time.monotonic() - began < bound(30)
     assert "rank 1 never reached init_process_group; rank 0 waited" in job.stderr
     assert not job.survivors()
 

@@ -32,9 +32,11 @@ def _dumps(rank, world, tmp):
         for _ in range(7):
             dist.all_reduce(torch.ones(4))
         s.barrier()
-        for _ in range(50):  # the recorder marks completion from another thread
+        for _ in range(50):  # the recorder records and completes from another thread
             status = pickle.loads(dump(full=False, backend="gloo"))
-            if flight.progress_state(status)[1] is None:
+            completed, waiting = flight.progress_state(status)
+            # CI under load read 6 of the 7 completed and none pending: it catches up
+            if waiting is None and completed >= 7:
                 break
             time.sleep(0.1)
         full = pickle.loads(dump(backend="gloo"))
