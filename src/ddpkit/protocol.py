@@ -55,6 +55,8 @@ FLIGHT_STATUS_DUMP = "fr-status"
 FLIGHT_READY = "fr-ready"  # exists once the rank answers dump requests
 TORCH_ERROR = "torch-error.json"  # TORCHELASTIC_ERROR_FILE: what torch's @record writes
 GRACEFUL = "graceful"  # exists once the rank reads s.stop_requested: it saves before it stops
+GROUP = "group"  # the default process group's backend and collective timeout (JSON)
+FAULT = "fault"  # faulthandler's dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, ...
 
 # The launcher asks a rank for its stacks with this signal (faulthandler answers it even while
 # the rank is blocked in C code). A real-time signal: SIGUSR1/SIGUSR2 belong to the user's
@@ -86,6 +88,20 @@ def read_phase(state_dir: str | Path, rank: int | str) -> tuple[str, float]:
         return "starting", 0.0
 
 
+def write_group(state_dir: str | Path, rank: int | str, backend: str, timeout: float) -> None:
+    """What a rank's process group is: its backend and its collectives' timeout (seconds)."""
+    data = {"backend": backend, "timeout": timeout}
+    state_path(state_dir, rank, GROUP).write_text(json.dumps(data))
+
+
+def read_group(state_dir: str | Path, rank: int | str) -> tuple[str, float] | None:
+    try:
+        data = json.loads(state_path(state_dir, rank, GROUP).read_text())
+        return str(data["backend"]), float(data["timeout"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 @dataclass(frozen=True)
 class ErrorRecord:
     """A rank's uncaught error, timestamped, so the launcher can tell the root cause from the
@@ -115,11 +131,15 @@ def read_error(state_dir: str | Path, rank: int | str) -> ErrorRecord | None:
 # it has finished, whether it is inside one now (which, since when, called from which
 # file:line, with which shapes), and a beat counter that ddpkit's loader and helpers bump.
 # Writes are a struct pack into shared memory (about a microsecond); a read may see a record
-# mid-update, which only delays a verdict by one sample.
+# mid-update, which only delays a verdict by one sample. A thread of the rank's writes the wall
+# time every TICK_EVERY s: a tick that stops while the rank burns CPU means some C code holds
+# the GIL (no Python thread can run), so that CPU time is not progress.
 
-_RECORD = struct.Struct("<QQdB7x32s96s160s")
+_RECORD = struct.Struct("<QQdB7x32s96s160sd")
 RECORD_SIZE = _RECORD.size
 BEATS_OFFSET = 8
+TICK_OFFSET = _RECORD.size - 8
+TICK_EVERY = 0.5  # seconds between the rank's ticks
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,7 @@ class Record:
     op: str = ""
     shapes: str = ""
     site: str = ""  # file:line of the user's call
+    ticked: float = 0.0  # wall time of the rank's last tick (0: it does not tick)
 
 
 class RecordWriter:
@@ -145,6 +166,7 @@ class RecordWriter:
             os.close(fd)
         self.finished = 0
         self.beats = 0
+        self.ticked = 0.0
         self._write(False, "", "", "", 0.0)
 
     def _write(self, inside: bool, op: str, shapes: str, site: str, since: float) -> None:
@@ -156,7 +178,13 @@ class RecordWriter:
             op.encode()[:32],
             shapes.encode()[:96],
             site.encode()[:160],
+            self.ticked,
         )
+
+    def tick(self) -> None:
+        """The rank's Python threads run (called by its tick thread)."""
+        self.ticked = time.time()
+        struct.pack_into("<d", self._map, TICK_OFFSET, self.ticked)
 
     def enter(self, op: str, shapes: str, site: str) -> None:
         self._write(True, op, shapes, site, time.time())
@@ -178,8 +206,10 @@ def read_record(state_dir: str | Path, rank: int | str) -> Record | None:
         return None
     if len(raw) < RECORD_SIZE:
         return None
-    finished, beats, since, inside, op, shapes, site = _RECORD.unpack(raw[:RECORD_SIZE])
-    return Record(finished, beats, since, bool(inside), _text(op), _text(shapes), _text(site))
+    finished, beats, since, inside, op, shapes, site, ticked = _RECORD.unpack(raw[:RECORD_SIZE])
+    return Record(
+        finished, beats, since, bool(inside), _text(op), _text(shapes), _text(site), ticked
+    )
 
 
 def _text(raw: bytes) -> str:

@@ -265,7 +265,7 @@ class Session:
     def stop_requested(self) -> bool:
         """True on every rank once any rank got SIGTERM, SIGINT or SIGUSR1 (reading it the
         first time makes those signals set it instead of ending the script)."""
-        return self._stop.agreed(self.world_size, self._comm_device)
+        return self._stop.agreed(self.world_size)
 
     # -- graphed steps -------------------------------------------------------------------
 
@@ -402,6 +402,8 @@ class Session:
         failure the peers are not expected at a barrier, so gloo is not drained."""
         failed = failed or getattr(sys, "last_value", None) is not None  # uncaught error
         graphed = self._release_graphs()
+        if dist.is_initialized():
+            self._stop.close(failed)
         if self._owns_group and dist.is_initialized():
             if self.backend == "gloo" and self.world_size > 1 and not failed:
                 joining.drain_gloo()

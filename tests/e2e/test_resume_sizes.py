@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 
 import pytest
 
@@ -69,8 +70,13 @@ def killed_after(job: Job, step: int) -> None:
     gone_within(job, 30)
 
 
-def stopped_by_sigterm_after(job: Job, step: int) -> int:
+def stopped_by_sigterm_after(job: Job, step: int, world: int = 1) -> int:
     job.wait_for(f"loss rank 0 epoch {(step - 1) // 5} step {step} =", timeout=150)
+    state = job.log_dir / job.run_id / "state0"
+    deadline = time.monotonic() + 60
+    while not all((state / f"rank{r}.graceful").exists() for r in range(world)):
+        assert time.monotonic() < deadline, "the ranks never read s.stop_requested"
+        time.sleep(0.01)
     job.proc.send_signal(signal.SIGTERM)
     assert job.finish(60) == 143, job.stderr
     stopped = re.search(r"stopped at step (\d+), state saved", job.stdout)
@@ -91,10 +97,11 @@ def test_every_kind_of_stop_resumes_exactly(tmp_path, world):
     killed_after(second, 12)
     same(second, expected, 10)
     # resumed in the middle of epoch 2, stopped by SIGTERM (the script saves and leaves). Sent
-    # once rank 0 printed step 13: every rank has read s.stop_requested (after step 12, a
-    # collective), so SIGTERM asks for a stop; before that first read it ends a script at once
+    # once rank 0 printed step 12 and every rank has read s.stop_requested (its first read
+    # marks the rank graceful), so SIGTERM asks for a stop; before that first read it ends a
+    # script at once. The ranks see it one or two steps later: 13 or 14, mid-epoch
     third = launch(tmp_path, world, 2, "--sleep", SLOW)
-    stopped = stopped_by_sigterm_after(third, 13)
+    stopped = stopped_by_sigterm_after(third, 12, world)
     assert stopped in (13, 14), "mid-epoch"
     assert same(third, expected, 11) == stopped
     last = launch(tmp_path, world, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from ddpkit import frames, protocol
-from ddpkit.launch.hang import Frame, main_thread, parse_threads, user_frames, verdict, where
+from ddpkit.launch.places import Frame, main_thread, parse_threads, user_frames, verdict, where
 
 # Library frames are where torch, ddpkit and Python really are on this machine.
 C10D = frames._torch_dir() + "distributed/distributed_c10d.py"

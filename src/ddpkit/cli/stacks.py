@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     import psutil
 
     from ddpkit import protocol
-    from ddpkit.launch import hang
+    from ddpkit.launch import places
     from ddpkit.procs import job_workers
 
     _, mine = job_workers(args.job, "stacks")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
             SimpleNamespace(rank=int(p.rank), proc=SimpleNamespace(pid=p.pid), exit_code=None)
         )
     for state_dir, ranks in by_dir.items():
-        line, details = hang.describe(
+        line, details = places.describe(
             sorted(ranks, key=lambda r: r.rank), Path(state_dir), stall=0, hung=False
         )
         print(line)

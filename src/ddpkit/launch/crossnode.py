@@ -16,10 +16,10 @@ import json
 import time
 from collections.abc import Callable
 
-from ddpkit.launch import hang
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.liveness import HANG_ASK, Abort, Liveness
 from ddpkit.launch.nodes import NodeGroup, _register, join_rdzv, serves_rendezvous
+from ddpkit.launch.places import verdict
 from ddpkit.launch.store import StoreUnreachableError
 
 EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
@@ -152,4 +152,4 @@ def collect_places(
 
 
 def hang_line(places: dict[int, tuple[str, str]], hosts: dict[int, str], stall: float) -> str:
-    return f"no rank made progress for {stall:.0f} s: {hang.verdict(places, hosts)}"
+    return f"no rank made progress for {stall:.0f} s: {verdict(places, hosts)}"

@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit import protocol
+from ddpkit.launch import causes
+from ddpkit.launch.causes import short
 from ddpkit.launch.rundir import open_private
 from ddpkit.ranges import ranks_text
+
+HANG_EXIT_CODE = 124  # as GNU timeout's
 
 # Errors a rank gets because a peer died: never the root cause while another rank failed.
 VICTIM_WORDS = (
@@ -57,6 +61,9 @@ class Outcome:
     from_node: int | None = None  # another node said why (its Abort); None: this node knows
     victim: bool = False  # every failed rank lost a peer: the cause may be on another node
     membership: bool = False  # nodes joined (--nnodes MIN:MAX): a new round, not a failure
+    grace: float = 0.0  # seconds the ranks were given to end after the launcher's signal
+    fix: str = ""  # what the user can do, when ddpkit knows
+    victims: list[int] | None = None  # ranks that failed only because of the root cause
 
     @classmethod
     def success(cls) -> Outcome:
@@ -69,20 +76,22 @@ class Outcome:
             exit_code=code,
             interrupted=True,
             restartable=False,
-            summary=f"stopped by {name}: every rank was stopped",
+            summary=f"stopped by {name}",
         )
 
     @classmethod
     def hang(cls, summary: str, details: str, timeout: float) -> Outcome:
-        from ddpkit.launch.hang import HANG_EXIT_CODE
-
         advice = (
-            f"  fix: if a rank legitimately waits this long (a download, a long first step), "
+            f"if a rank legitimately waits this long (a download, a long first step), "
             f"raise --hang-timeout (now {timeout:g} s); --hang-timeout 0 turns the watch off"
         )
-        return cls(
-            ok=False, exit_code=HANG_EXIT_CODE, summary=summary, details=f"{advice}\n{details}"
-        )
+        if "has exited (code 0)" in summary:
+            advice = (
+                "a rank ended while the others still wait for it: the ranks ran different "
+                "numbers of steps (uneven inputs); give every rank the same number of batches "
+                "(s.loader, DistributedSampler(drop_last=True), or torch's Join); " + advice
+            )
+        return cls(ok=False, exit_code=HANG_EXIT_CODE, summary=summary, details=details, fix=advice)
 
     @classmethod
     def launcher_failure(cls, summary: str) -> Outcome:
@@ -106,7 +115,9 @@ class Outcome:
         )
 
     @classmethod
-    def rank_failed(cls, failed: list[Any], state_dir: Path) -> Outcome:
+    def rank_failed(
+        cls, failed: list[Any], state_dir: Path, oom: causes.OomWatch | None = None
+    ) -> Outcome:
         errors = {
             w.rank: error for w in failed if (error := protocol.read_error(state_dir, w.rank))
         }
@@ -120,17 +131,40 @@ class Outcome:
         root = min(failed, key=order)
         victim = order(root)[0] is True
         summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
-        if root.rank in errors:
-            message = errors[root.rank].message
-            message = message if len(message) <= 160 else message[:157] + "..."
-            summary += f" ({errors[root.rank].type}: {message})"
+        fix = ""
+        error = errors.get(root.rank)
+        code = root.exit_code or 0
+        if code < 0 and -code in causes.FATAL and (site := causes.fault_site(state_dir, root.rank)):
+            summary += f" at {site}"
+        killed = {root.proc.pid} if code == -signal.SIGKILL else causes.killed_worker_pids(error)
+        if killed and oom is not None and oom.killed(killed):
+            summary = f"rank {root.rank} {oom.text(root.rss)}"
+            fix = causes.OOM_FIX
+        if error is not None:
+            summary += f" ({causes.error_text(error)})"
+            if site := causes.error_site(error):
+                summary += f" at {site}"
         return cls(
             ok=False,
             exit_code=exit_code_of(root.exit_code),
             summary=summary,
             root_rank=root.rank,
             victim=victim,
+            fix=fix,
         )
+
+    def blame(self, culprit: Any, state_dir: Path) -> None:
+        """The first failure was a rank that waited; `culprit` (a blame.Culprit) is the rank
+        it waited for: it becomes the root cause, and the failed ranks its victims."""
+        self.summary, self.fix = culprit.summary, culprit.fix
+        self.root_rank, self.victims, self.victim = culprit.rank, culprit.victims, False
+        lines = []
+        for rank in culprit.victims:
+            error = protocol.read_error(state_dir, rank)
+            if error is not None:
+                message = error.message.strip().splitlines()[-1] if error.message else ""
+                lines.append(f"  victim: rank {rank}: {error.type}: {short(message)}")
+        self.details = "\n".join(lines)
 
     def finalize(self, workers: list[Any], run_dir: Path, state_dir: Path) -> None:
         """Write the report (console text and run_dir/report.txt) once outputs are closed."""
@@ -139,12 +173,18 @@ class Outcome:
         mismatch = collective_mismatch(workers, state_dir)
         if mismatch:
             self.summary = f"{mismatch} (first reported: {self.summary})"
-        title = "the job hung" if self.details else "the job failed"
+        if self.interrupted and self.from_node is None:
+            self.summary = (
+                f"{self.summary}, forwarded to every rank: {how_ranks_ended(workers, self.grace)}"
+            )
+        title = "the job hung" if self.exit_code == HANG_EXIT_CODE else "the job failed"
         if self.interrupted:
             title = "the job was stopped"
         elif self.from_node is not None:
             title += f" on node {self.from_node}"
         lines = ["", f"ddpkit: {title}", f"  root cause: {self.summary}"]
+        if self.fix:
+            lines.append(f"  fix: {self.fix}")
         if self.details:
             lines.append(self.details)
         root = next((w for w in workers if w.rank == self.root_rank), None)
@@ -155,7 +195,7 @@ class Outcome:
                 lines.extend(f"    | {line}" for line in tail)
         others: dict[str, list[int]] = {}
         for w in workers:
-            if w is not root:
+            if w is not root and not self.interrupted and w.rank not in (self.victims or ()):
                 what = "stopped by ddpkit" if w.stopped else describe_exit(w.exit_code)
                 others.setdefault(what, []).append(w.rank)
         if others:
@@ -174,6 +214,29 @@ class Outcome:
                 f.write(self.text.lstrip("\n") + "\n")
         except OSError as err:  # a full disk must not hide the report on the console
             self.text += f"\n  (report.txt not written: {err.strerror or err})"
+
+
+def how_ranks_ended(workers: list[Any], grace: float) -> str:
+    """After a forwarded stop signal: which ranks ended on their own (saved and left, or as
+    the signal told them) and which the launcher killed when the grace was over."""
+    if workers and all(w.exit_code == 0 for w in workers):
+        return "every rank ended on its own (exit code 0)"
+    groups: dict[str, list[int]] = {}
+    for w in workers:
+        if w.stopped:
+            what = f"had not ended after {grace:g} s: killed"
+        elif w.exit_code == 0:
+            what = "ended on its own (exit code 0)"
+        else:
+            what = describe_exit(w.exit_code)
+        groups.setdefault(what, []).append(w.rank)
+    parts = []
+    for what, ranks in groups.items():
+        plural = len(ranks) > 1
+        if plural:
+            what = what.replace("its own", "their own")
+        parts.append(f"rank{'s' if plural else ''} {ranks_text(ranks)} {what}")
+    return "; ".join(parts)
 
 
 MISMATCH_WORDS = (

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ddpkit import protocol
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import crossnode, hang, report, rundir
+from ddpkit.launch import blame, causes, crossnode, hang, report, rundir
+from ddpkit.launch import places as rank_places
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.hang import HANG_EXIT_CODE
 from ddpkit.launch.liveness import BEAT, Abort, Liveness
@@ -135,6 +136,7 @@ def _run_attempt(
     state_dir.mkdir(mode=0o700)
     workers: list[Worker] = []
     speed = None
+    given = cfg.grace
     try:
         for local_rank in range(cfg.nproc_per_node):
             if signals.count:  # Ctrl+C or SIGTERM while starting: start no more
@@ -165,7 +167,7 @@ def _run_attempt(
             limit = 0.5 if signals.count else CALL_LIMIT
             crossnode.publish_abort(node, Abort(node.group_rank, why, others, restart), limit)
     finally:
-        stop_workers(workers, cfg.grace, signals, node.run_id, state_dir)
+        given = stop_workers(workers, cfg.grace, signals, node.run_id, state_dir)
         for w in workers:
             w.output.close()
         end_orphans({w.proc.pid for w in workers}, watchdog.pid)
@@ -175,6 +177,7 @@ def _run_attempt(
             _say(speed.notes.pop(0))
         if summary:
             _say(summary)
+    outcome.grace = given
     outcome.finalize(workers, run_dir, state_dir)
     return outcome
 
@@ -190,6 +193,7 @@ def _supervise(
 ) -> report.Outcome:
     next_init_check = 0.0
     watch = hang.HangWatch(workers, state_dir, cfg.hang_timeout, live if node.multi_node else None)
+    oom = causes.OomWatch()
     answered_hang = False
     while True:
         now = time.monotonic()
@@ -209,8 +213,17 @@ def _supervise(
                 if w.exit_code is None and (code := w.proc.poll()) is not None:
                     w.exit_code, w.ended_wall = code, time.time()
             outcome = report.Outcome.rank_failed(
-                [w for w in workers if w.exit_code not in (None, 0)], state_dir
+                [w for w in workers if w.exit_code not in (None, 0)], state_dir, oom
             )
+
+            def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
+                alive = [w for w in workers if w.rank in ranks]
+                stop = lambda: signals.count > 0  # noqa: E731
+                return rank_places.collect(alive, state_dir, hung=False, stop=stop)[0]
+
+            culprit = blame.find_culprit(workers, state_dir, places_of)
+            if culprit is not None:
+                outcome.blame(culprit, state_dir)
             if node.multi_node and outcome.victim:
                 return _cause_elsewhere(outcome, node, live, signals, cfg.node_timeout)
             return outcome
@@ -224,12 +237,24 @@ def _supervise(
             return report.Outcome.success()
         if live.hang_asked and not answered_hang:
             answered_hang = True
-            crossnode.publish_places(node, *hang.collect(workers, state_dir))
+            crossnode.publish_places(node, *rank_places.collect(workers, state_dir))
         if watch.hung(now):
             stall = watch.stalled_for(now)
             return _hang_outcome(node, workers, state_dir, stall, cfg, signals)
         while watch.notes:
             _say(watch.notes.pop(0))
+        if watch.waits is not None:
+            waits, watch.waits = watch.waits, None
+            _say(
+                rank_places.long_wait_note(
+                    workers,
+                    state_dir,
+                    waits.waiting,
+                    waits.working,
+                    waits.began,
+                    stop=lambda: signals.count > 0,
+                )
+            )
         speed.sample(now)
         while speed.notes:
             _say(speed.notes.pop(0))
@@ -271,10 +296,10 @@ def _hang_outcome(
         return signals.count > 0
 
     if not node.multi_node:
-        line, details = hang.describe(workers, state_dir, stall, stop=stop)
+        line, details = rank_places.describe(workers, state_dir, stall, stop=stop)
     else:
         crossnode.ask_places(node)
-        places, details = hang.collect(workers, state_dir, stop=stop)
+        places, details = rank_places.collect(workers, state_dir, stop=stop)
         every, hosts, details = crossnode.collect_places(
             node, places, details, cfg.nproc_per_node, stop=stop
         )

@@ -59,6 +59,7 @@ class Worker:
     exit_code: int | None = None
     ended_wall: float = 0.0
     stopped: bool = False  # ended by the launcher's teardown, not by itself
+    rss: int = 0  # bytes its process tree held when last sampled (the hang watch's sample)
 
     @property
     def pgid(self) -> int:
@@ -183,10 +184,11 @@ def stdin_rank(cfg: LaunchConfig) -> int | None:
 
 def stop_workers(
     workers: list[Worker], grace: float, signals: Signals, run_id: str, state_dir: Path
-) -> None:
+) -> float:
     """Every worker's group and every process of the run: the signal the launcher got (a
     forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
-    `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected."""
+    `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected. Returns the
+    grace the ranks were given."""
     count_before = signals.count
     first = signals.last if signals.count else signal.SIGTERM
     alive = [w for w in workers if w.proc.poll() is None]
@@ -207,7 +209,9 @@ def stop_workers(
         # (its DataLoader workers and children are its business until the grace is over)
         leaders = [psutil.Process(w.proc.pid) for w in alive if _exists(w.proc.pid)]
         procs.terminate(leaders, grace, first=first, impatient=impatient)
-        grace, first = 0.0, signal.SIGKILL
+        given, grace, first = grace, 0.0, signal.SIGKILL
+    else:
+        given = grace
     procs.terminate(
         procs.processes_of_job(run_id, os.getpid()),
         grace,
@@ -220,7 +224,11 @@ def stop_workers(
         with contextlib.suppress(subprocess.TimeoutExpired):
             w.proc.wait(timeout=5)
         if w.exit_code is None:
-            w.exit_code, w.ended_wall, w.stopped = w.proc.returncode, time.time(), True
+            w.exit_code, w.ended_wall = w.proc.returncode, time.time()
+            # after a forwarded signal a rank ends on its own (saved, or as the signal says)
+            # unless it outlived the grace; after a failure, ddpkit's teardown ended it
+            w.stopped = w.exit_code == -signal.SIGKILL if signals.count else True
+    return given
 
 
 def _exists(pid: int) -> bool:

@@ -14,6 +14,7 @@ then runs as `__main__`, as `python script.py` would run it.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import faulthandler
 import functools
@@ -111,6 +112,9 @@ def patch_init(module: ModuleType) -> None:
         set_phase("init")
         result = original(*args, **kwargs)
         set_phase("ready")
+        if STATE_DIR:
+            timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
+            record_group(str(module.get_backend()), timeout)
         if STATE_DIR and _recording():
             from ddpkit.rank import flight
 
@@ -119,6 +123,21 @@ def patch_init(module: ModuleType) -> None:
 
     module.init_process_group = init_process_group
     track_collectives(module)
+
+
+def record_group(backend: str, timeout: Any) -> None:
+    """The group's backend and collective timeout, for the launcher's long-wait note."""
+    if timeout is None:
+        from torch.distributed import constants
+
+        default = constants.default_pg_timeout
+        if backend == "nccl":
+            default = getattr(constants, "default_pg_nccl_timeout", None) or default
+        timeout = default
+    try:
+        protocol.write_group(STATE_DIR, RANK, backend, float(timeout.total_seconds()))
+    except (OSError, AttributeError):
+        pass
 
 
 _depth = 0
@@ -157,6 +176,7 @@ def track_collectives(module: ModuleType) -> None:
                 record.leave(name, shapes, site)
                 waited_in_collective(time.perf_counter() - began)
 
+        collective._ddpkit_original = original  # type: ignore[attr-defined]  # ddpkit's own calls
         return collective
 
     for name in protocol.COLLECTIVES:
@@ -273,10 +293,15 @@ def frame_stderr() -> None:
 
 
 def dump_stacks_on_signal() -> None:
+    """Stacks on the launcher's request, and on a fatal signal (SIGSEGV, SIGABRT, SIGBUS,
+    SIGFPE, SIGILL) into the rank's fault file, so the report names the line it died at."""
     if not STATE_DIR:
         return
     stacks = open(protocol.state_path(STATE_DIR, RANK, protocol.STACKS), "a")  # noqa: SIM115 - open for the process's life
     faulthandler.register(protocol.STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
+    if not faulthandler.is_enabled():  # `python -X faulthandler`'s choice is the user's
+        fault = open(protocol.state_path(STATE_DIR, RANK, protocol.FAULT), "w")  # noqa: SIM115 - open for the process's life
+        faulthandler.enable(file=fault, all_threads=True)
 
 
 def main(argv: list[str]) -> None:
@@ -290,6 +315,9 @@ def main(argv: list[str]) -> None:
         buffer_stdout()
         frame_stderr()
     dump_stacks_on_signal()
+    from ddpkit.rank import progress
+
+    progress.start_ticking()
     sys.meta_path.insert(0, _ImportWatcher())
     from ddpkit.errors import install_excepthook
 
@@ -308,7 +336,16 @@ def main(argv: list[str]) -> None:
             write_error("SystemExit", f"sys.exit({done.code!r})", exit_code=code)
             sys.last_value = done  # ddpkit's close sees a failure: no barrier with the peers
         exit_quickly(done.code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
+        # as `python script.py` ends on Ctrl+C (the traceback, then death by SIGINT), minus
+        # the frames of ddpkit's own
+        trimmed = _user_frames(interrupt.__traceback__)
+        traceback.print_exception(type(interrupt), interrupt.with_traceback(trimmed), trimmed)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
         raise
     except BaseException as err:
         # Report it as `python script.py` would: without this file's and runpy's frames.
@@ -375,13 +412,31 @@ def exit_quickly(code: object) -> None:
     os._exit(status)
 
 
+_RANK_SIDE = os.path.dirname(os.path.abspath(__file__))  # ddpkit/rank: the bootstrap, its hooks
+
+
+def _ours(tb: TracebackType) -> bool:
+    name = tb.tb_frame.f_code.co_filename
+    return (
+        name == runpy.__file__
+        or name.startswith("<frozen runpy")
+        or os.path.dirname(os.path.abspath(name)) == _RANK_SIDE
+    )
+
+
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
-    while tb is not None and (
-        tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
-        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
-    ):
+    """The traceback without ddpkit's own frames (the bootstrap, runpy, the wrappers that
+    record collectives and time steps): what `python script.py` would have shown."""
+    while tb is not None and _ours(tb):
         tb = tb.tb_next
-    return tb
+    head = tb
+    while tb is not None:
+        following = tb.tb_next
+        while following is not None and _ours(following):
+            following = following.tb_next
+        tb.tb_next = following
+        tb = following
+    return head
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ watch. Outside a worker of `ddpkit run` every call here does nothing."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from ddpkit import protocol
 
@@ -34,3 +36,18 @@ def beat() -> None:
     w = writer()
     if w is not None:
         w.beat()
+
+
+def start_ticking() -> None:
+    """A thread that ticks the record every protocol.TICK_EVERY s while Python threads can run:
+    the launcher tells a rank stuck in C code holding the GIL from one that computes."""
+    w = writer()
+    if w is None:
+        return
+
+    def tick() -> None:
+        while True:
+            w.tick()
+            time.sleep(protocol.TICK_EVERY)
+
+    threading.Thread(target=tick, daemon=True, name="ddpkit-tick").start()

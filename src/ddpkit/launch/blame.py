@@ -1,0 +1,119 @@
+"""The rank at fault when the first failure is a rank that waited: for a peer that had already
+ended (uneven inputs: it ran out of batches and exited 0 while the others were mid-step), or
+for a peer that was still working when the process group's timeout ran out (an evaluation on
+one rank, a slow save). The ranks that failed waiting are listed as its victims.
+
+`find_culprit` decides from what was observed (exit codes, error records, each rank's place);
+`places_of` is asked for the places of live ranks only when the decision needs them (it dumps
+their stacks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpkit import protocol
+from ddpkit.ranges import ranks_text
+
+# A rank failed because it waited for a peer: the peer closed its connections, or a timeout ran
+# out (gloo's, NCCL's watchdog, the store's).
+WAITING_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Timed out waiting",
+    "timed out",
+    "Timed out",
+    "Watchdog caught collective operation timeout",
+)
+
+
+def waited(error: protocol.ErrorRecord | None) -> bool:
+    return error is not None and any(word in error.message for word in WAITING_WORDS)
+
+
+@dataclass(frozen=True)
+class Culprit:
+    rank: int
+    summary: str  # the root cause line
+    fix: str
+    victims: list[int]
+
+
+def find_culprit(
+    workers: list[Any],
+    state_dir: Path,
+    places_of: Callable[[list[int]], dict[int, tuple[str, str]]],
+) -> Culprit | None:
+    """The rank the failed ranks waited for, when every failed rank failed waiting."""
+    failed = [w for w in workers if w.exit_code not in (None, 0)]
+    errors = {w.rank: protocol.read_error(state_dir, w.rank) for w in failed}
+    if not failed or not all(waited(errors[w.rank]) for w in failed):
+        return None
+    first = min(e.time for e in errors.values() if e is not None)
+    victims = sorted(w.rank for w in failed)
+    where = _victims_place(victims, state_dir)
+    early = [w for w in workers if w.exit_code == 0 and w.ended_wall <= first + 0.5]
+    if early:
+        ranks = sorted(w.rank for w in early)
+        return Culprit(
+            ranks[0],
+            f"rank{_s(ranks)} {ranks_text(ranks)} ended (exit code 0) while rank{_s(victims)} "
+            f"{ranks_text(victims)} still waited for {_them(ranks)}{where}: the ranks ran "
+            "different numbers of steps (uneven inputs)",
+            "give every rank the same number of batches: s.loader(...) shards evenly (its "
+            "DistributedSampler pads), or DistributedSampler(drop_last=True), or run the loop "
+            "inside torch.distributed.algorithms.Join([model]) for inputs that stay uneven",
+            victims,
+        )
+    alive = [w.rank for w in workers if w.exit_code is None]
+    if not alive:
+        return None
+    places = places_of(alive)
+    busy = sorted(r for r, (what, _) in places.items() if not what.startswith("wait"))
+    if not busy:
+        return None
+    what, site = places[busy[0]]
+    at = f" ({site})" if site else ""
+    timed_out = any("imed out" in (e.message if e else "") for e in errors.values())
+    how = "timed out waiting for it" if timed_out else "lost their connection waiting for it"
+    return Culprit(
+        busy[0],
+        f"rank {busy[0]} kept the others waiting: it {_verb(what)}{at} when rank{_s(victims)} "
+        f"{ranks_text(victims)} {how}{where}",
+        f"if rank {busy[0]} legitimately takes this long, raise the process group's timeout "
+        "(ddpkit.setup(timeout=...), init_process_group(timeout=...)); or let every rank do "
+        "its share of that work, so none waits alone",
+        victims,
+    )
+
+
+def _victims_place(victims: list[int], state_dir: Path) -> str:
+    """' in all_reduce (train.py:42)', from the victims' progress records."""
+    for rank in victims:
+        record = protocol.read_record(state_dir, rank)
+        if record is not None and record.op:
+            return f" in {record.op} ({record.site})"
+    return ""
+
+
+def _verb(what: str) -> str:
+    """A place ('is elsewhere: evaluate') as what the rank was doing ('was at evaluate')."""
+    if what.startswith("is elsewhere: "):
+        return "was at " + what.removeprefix("is elsewhere: ")
+    if what.startswith("is "):
+        return "was " + what.removeprefix("is ")
+    return what
+
+
+def _s(ranks: list[int]) -> str:
+    return "s" if len(ranks) > 1 else ""
+
+
+def _them(ranks: list[int]) -> str:
+    return "them" if len(ranks) > 1 else "it"

@@ -1,0 +1,340 @@
+"""Where each rank is: its stack (faulthandler's dump, asked for with a signal, answered even
+while the rank is blocked in C code), what it does there (waits in a collective, is in its own
+code, holds the GIL in C code, is stopped), and the one-line verdict that groups the ranks
+('ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: stuck_here (train.py:17)').
+
+The hang doctor (`hang.py`), the long-wait note, the root cause of a timeout and `ddpkit
+stacks` all read ranks through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ddpkit import protocol
+from ddpkit.frames import is_bootstrap, is_framework, is_library, torch_module
+from ddpkit.launch import flight
+from ddpkit.ranges import ranks_text
+
+GIL_STALE = 5.0  # seconds without a tick from a live, unstopped rank: C code holds its GIL
+
+
+def dump_stacks(
+    pids: dict[int, int], state_dir: Path, wait: float = 3.0, stop: Callable[[], bool] = bool
+) -> dict[int, str]:
+    """Ask each rank (rank -> pid) for its stacks; return rank -> the text it wrote (what came
+    before `wait` s passed or `stop()` said to give up)."""
+    sizes = {}
+    for rank, pid in pids.items():
+        path = protocol.state_path(state_dir, rank, protocol.STACKS)
+        sizes[rank] = path.stat().st_size if path.exists() else 0
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, protocol.STACKS_SIGNAL)
+    texts: dict[int, str] = {}
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and len(texts) < len(pids) and not stop():
+        time.sleep(0.1)
+        for rank in pids:
+            path = protocol.state_path(state_dir, rank, protocol.STACKS)
+            if rank not in texts and path.exists() and path.stat().st_size > sizes[rank]:
+                time.sleep(0.1)  # let faulthandler finish writing
+                with path.open() as f:
+                    f.seek(sizes[rank])
+                    texts[rank] = f.read()
+    return texts
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    @property
+    def site(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.site} in {self.func}"
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
+_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$', re.M)
+
+
+def parse_threads(text: str) -> list[list[Frame]]:
+    """faulthandler's dump -> one list of frames (innermost first) per thread."""
+    starts = [m.start() for m in _THREAD.finditer(text)] + [len(text)]
+    threads = []
+    for begin, end in zip(starts, starts[1:], strict=False):
+        frames = [Frame(f, int(n), fn.strip()) for f, n, fn in _FRAME.findall(text[begin:end])]
+        if frames:
+            threads.append(frames)
+    return threads
+
+
+def main_thread(threads: list[list[Frame]]) -> list[Frame]:
+    """The thread running the user's script: its outermost frames are the bootstrap's."""
+    for frames in threads:
+        if any(is_bootstrap(f.file) for f in frames[-4:]):
+            return frames
+    return threads[0] if threads else []
+
+
+def user_frames(frames: list[Frame]) -> list[Frame]:
+    """Frames outside torch, ddpkit and Python: the script's, and the frameworks' it runs in."""
+    return [f for f in frames if not is_library(f.file)]
+
+
+def scripts_frames(frames: list[Frame]) -> list[Frame]:
+    """The user's own frames: not library code, nor an installed framework's."""
+    return [f for f in frames if not is_library(f.file) and not is_framework(f.file)]
+
+
+def shown_frames(frames: list[Frame], inner: int = 6) -> list[str]:
+    """The frames a report shows of a stack, innermost first: the innermost outside torch,
+    ddpkit and Python, and every frame of the script's own (a framework's loop can be deep)."""
+    outside = user_frames(frames)
+    script = set(map(id, scripts_frames(frames)))
+    shown = [str(f) for f in outside[:inner]]
+    rest = [f for f in outside[inner:] if id(f) in script]
+    if rest:
+        skipped = len(outside) - inner - len(rest)
+        shown += [f"... {skipped} frame(s) of installed packages"] if skipped else []
+        shown += [str(f) for f in rest]
+    return shown
+
+
+def code_site(frames: list[Frame]) -> str:
+    """Where in the user's code a stack stands: the innermost line of the script; inside a
+    framework (Lightning, Trainer), the framework's innermost line and the script's line that
+    called into it ('trainer.py:123 in _inner_loop, from train.py:40')."""
+    outside = user_frames(frames)
+    if not outside:
+        return "?"
+    innermost = outside[0]
+    if not is_framework(innermost.file):
+        return innermost.site
+    script = scripts_frames(frames)
+    return f"{innermost} from {script[0].site}" if script else str(innermost)
+
+
+def where(
+    rank_frames: list[Frame],
+    record: protocol.Record | None,
+    exit_code: int | None,
+    pending: str | None = None,
+    hung: bool = False,
+    state: str | None = None,
+) -> tuple[str, str]:
+    """(what the rank does, where) for one rank, decided by its stack. The progress record and
+    the flight recorder's pending collective are evidence, printed beside the stack; they decide
+    only when the rank gave no stack, and an NCCL collective pending through a hang: NCCL
+    returns at once, so such a rank's host waits at its next sync, wherever that is. `state`
+    (from `process_state`) names a rank that is stopped or holds the GIL in C code."""
+    if exit_code is not None:
+        return f"has exited (code {exit_code})", ""
+    if state is not None:  # stopped, or stuck in C code holding the GIL: say so first
+        innermost = rank_frames[0].func if rank_frames else ""
+        if state.startswith("holds the GIL") and innermost:
+            state += f": {innermost}"
+        return state, code_site(rank_frames) if rank_frames else (record.site if record else "")
+    if not rank_frames:
+        site = record.site if record is not None else ""
+        if record is not None and record.in_collective:
+            return f"wait in {record.op}", site
+        if pending and hung:
+            return f"wait in {pending.split()[0].split(':', 1)[-1]}", site
+        return "gave no stack", site
+    site = code_site(rank_frames)
+    modules = [(f, torch_module(f.file) or "") for f in rank_frames]
+    for f, module in modules:
+        if f.func in protocol.COLLECTIVES and module.startswith("distributed/"):
+            return f"wait in {f.func}", site
+    if any(module.startswith("utils/data/") for _, module in modules):
+        return "wait for a DataLoader batch", site
+    fsdp = [f for f, module in modules if module.startswith("distributed/fsdp/")]
+    if fsdp and hung:  # FSDP2 waits for its own collectives inside its hooks
+        names = " ".join(f.func for f in fsdp)
+        kind = "reduce-scatter" if "reduce" in names or "post_backward" in names else "all-gather"
+        return f"wait in FSDP's {kind}", site
+    in_backward = any(
+        (module == "_tensor.py" and f.func == "backward")
+        or (module.startswith("autograd/") and f.func in ("backward", "_engine_run_backward"))
+        for f, module in modules
+    )
+    if in_backward:
+        # DDP's reducer all-reduces gradients inside backward: through a hang (no CPU used),
+        # that is where the rank waits; in a live job's snapshot, it computes gradients
+        return ("wait in all_reduce" if hung else "is in backward"), site
+    if pending and hung and pending.startswith("nccl:"):
+        return f"wait in {pending.split()[0].split(':', 1)[1]}", site
+    innermost = user_frames(rank_frames) or rank_frames
+    # a comprehension or generator is part of the function that holds it: name that one
+    named = [f for f in innermost if f.func in ("<module>",) or not f.func.startswith("<")]
+    func = (named or innermost)[0].func
+    return f"is elsewhere: {func}", site
+
+
+def verdict(places: dict[int, tuple[str, str]], hosts: dict[int, str] | None = None) -> str:
+    """'ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: f (train.py:17)'; with
+    ranks on several hosts, each group says which: 'ranks 0,1 on node0 and 2 on node1 ...'."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rank, place in sorted(places.items()):
+        groups.setdefault(place, []).append(rank)
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    shown = hosts if hosts is not None and len(set(hosts.values())) > 1 else None
+    parts = []
+    for (what, site), ranks in ordered:
+        who = f"rank{'s' if len(ranks) > 1 else ''} {_on_hosts(ranks, shown)}"
+        verb = re.sub(r"^is\b", "are", what) if len(ranks) > 1 else _singular(what)
+        parts.append(f"{who} {verb}" + (f" ({site})" if site else ""))
+    return "; ".join(parts)
+
+
+def _on_hosts(ranks: list[int], hosts: dict[int, str] | None) -> str:
+    if hosts is None:
+        return ranks_text(ranks)
+    by_host: dict[str, list[int]] = {}
+    for rank in ranks:
+        by_host.setdefault(hosts.get(rank, "?"), []).append(rank)
+    return " and ".join(f"{ranks_text(rs)} on {host}" for host, rs in by_host.items())
+
+
+def _singular(what: str) -> str:
+    return re.sub(r"^wait\b", "waits", what)
+
+
+def collect(
+    workers: list[Any],
+    state_dir: Path,
+    hung: bool | set[int] = True,
+    stop: Callable[[], bool] = bool,
+) -> tuple[dict[int, tuple[str, str]], str]:
+    """Collect stacks and records of this node's ranks: rank -> (what, where), and details:
+    each rank's stack, then the evidence beside it (its progress record, its flight recorder).
+    hung=False reads a live job (`ddpkit stacks`): a rank in backward computes there; a set
+    names the ranks that are known to wait."""
+    alive = {w.rank: w.proc.pid for w in workers if w.exit_code is None}
+    texts = dump_stacks(alive, state_dir, stop=stop)  # stop: a signal cuts the waits short
+    served = [r for r in alive if flight.ready_file(state_dir, r).exists()]
+    recorded = flight.request(served, state_dir, stop=stop) if served and not stop() else {}
+    places, details = {}, []
+    for w in workers:
+        record = protocol.read_record(state_dir, w.rank)
+        frames = main_thread(parse_threads(texts.get(w.rank, "")))
+        in_flight = flight.pending(recorded[w.rank]) if w.rank in recorded else None
+        state = process_state(w.proc.pid, record) if w.exit_code is None else None
+        waits = hung if isinstance(hung, bool) else w.rank in hung
+        places[w.rank] = where(frames, record, w.exit_code, in_flight, waits, state)
+        what, site = places[w.rank]
+        details.append(f"  rank {w.rank} {_singular(what)}" + (f" at {site}" if site else ""))
+        details.extend(f"    {f}" for f in shown_frames(frames))
+        if record is not None and record.in_collective:
+            shapes = f" with shapes {record.shapes}" if record.shapes else ""
+            details.append(
+                f"    progress record: in {record.op}{shapes} since "
+                f"{time.time() - record.since:.0f} s, called at {record.site}"
+            )
+        elif record is not None and record.op:
+            details.append(
+                f"    progress record: last collective {record.op} at {record.site} (returned)"
+            )
+        if w.rank in recorded:
+            if in_flight:
+                details.append(f"    flight recorder: not completed: {in_flight}")
+            details.extend(
+                f"    flight recorder: {line}" for line in flight.summarize(recorded[w.rank])
+            )
+        if w.rank in alive and w.rank not in texts:
+            why = " (it is stopped: a stopped process runs no handler)" if state else ""
+            details.append(f"    (no stack: the rank did not answer the stack request{why})")
+    return places, "\n".join(details)
+
+
+def describe(
+    workers: list[Any],
+    state_dir: Path,
+    stall: float,
+    hung: bool = True,
+    stop: Callable[[], bool] = bool,
+) -> tuple[str, str]:
+    """(verdict line, details with per-rank stacks) for this node's ranks."""
+    places, details = collect(workers, state_dir, hung, stop)
+    if not hung:
+        return verdict(places), details
+    return f"no rank made progress for {stall:.0f} s: {verdict(places)}", details
+
+
+def process_state(pid: int, record: protocol.Record | None) -> str | None:
+    """What stops a live rank from running Python, when something does: a stop signal or a
+    debugger ('is stopped (SIGSTOP/SIGTSTP): `kill -CONT 123` resumes it', 'is stopped by a
+    debugger: pid 77 (gdb) traces it'), or C code that holds the GIL (its tick thread has not
+    run for GIL_STALE s). None for a rank that runs."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+    tracer = _tracer(pid)
+    if tracer and status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return f"is stopped by a debugger: pid {tracer} traces it"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return f"is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT {pid}` resumes it)"
+    if record is not None and record.ticked and time.time() - record.ticked > GIL_STALE:
+        return f"holds the GIL in C code for {time.time() - record.ticked:.0f} s"
+    return None
+
+
+def _tracer(pid: int) -> str:
+    """'77 (gdb)' when a debugger or tracer (gdb, strace, py-spy dump) is attached."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    tracer = int(line.split()[1])
+                    if not tracer:
+                        return ""
+                    with contextlib.suppress(psutil.Error):
+                        return f"{tracer} ({psutil.Process(tracer).name()})"
+                    return str(tracer)
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+def long_wait_note(
+    workers: list[Any],
+    state_dir: Path,
+    waiting: list[int],
+    working: list[int],
+    began: float,
+    stop: Callable[[], bool] = bool,
+) -> str:
+    """What to say, once, when ranks have waited long for others that still work: who waits
+    where, who works where, and when the process group's own timeout would end the job."""
+    places, _ = collect(workers, state_dir, hung=set(waiting), stop=stop)
+    waited = time.time() - began
+    who = verdict({r: places[r] for r in waiting})
+    busy = verdict({r: places[r] for r in working})
+    line = f"{who}, for {waited:.0f} s now; {busy}, still working: not a hang, the job goes on."
+    group = next((g for r in waiting if (g := protocol.read_group(state_dir, r))), None)
+    if group is not None:
+        backend, timeout = group
+        ends = began + timeout
+        clock = time.strftime("%H:%M:%S", time.localtime(ends))
+        line += (
+            f" The process group's timeout ({backend}, {timeout:g} s) ends the job at "
+            f"{clock} (in {max(0, ends - time.time()):.0f} s) if the wait lasts: raise it "
+            "(ddpkit.setup(timeout=...), init_process_group(timeout=...)) or share the work "
+            "across ranks (each rank evaluates its part)."
+        )
+    return line
