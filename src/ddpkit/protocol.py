@@ -112,6 +112,7 @@ class ErrorRecord:
     message: str
     traceback: str = ""
     exit_code: int | None = None  # the code the rank exits with, when it chose one
+    fix: str = ""  # what the user can do, when the rank could tell (ddpkit.rank.hints)
 
 
 def write_error(state_dir: str | Path, rank: int | str, record: ErrorRecord) -> None:

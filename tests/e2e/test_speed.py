@@ -168,6 +168,19 @@ def test_top_is_a_live_table_in_a_terminal_and_q_quits(tmp_path):
         term.keys("q")
         assert term.exit_code(20) == 0
         assert job.proc.poll() is None, "quitting top never touches the job"
+        # an 80-column terminal: short headers, every value whole, one line per rank
+        narrow = terminal.Terminal(
+            [sys.executable, "-m", "ddpkit", "top", job.run_id], tmp_path, width=80
+        )
+        try:
+            screen = narrow.wait_for("split %", timeout=bound(30))
+            rows = [line for line in screen.splitlines() if re.match(r"\s+[01]\s+\d", line)]
+            assert len(rows) == 2, f"one line per rank:\n{screen}"
+            assert "…" not in screen, f"a value cut short:\n{screen}"
+            narrow.keys("q")
+            assert narrow.exit_code(20) == 0
+        finally:
+            narrow.close()
     finally:
         term.close()
         job.proc.terminate()

@@ -51,9 +51,11 @@ def preamble(cfg: BenchConfig, n: int, devices: list[dict[str, Any]], versions: 
         "# Using devices",
     ]
     for d in devices:
+        # a CPU rank has no device number: nccl-tests' column says which CPU process it is
+        where = f"device {d['device']:2d} [{d['bus']}]" if d["device"] >= 0 else "on the CPU"
         lines.append(
             f"#  Rank {d['rank']:2d} Group  0 Pid {d['pid']:6d} on {d['host']:>10s} "
-            f"device {d['device']:2d} [{d['bus']}] {d['name']}"
+            f"{where} {d['name'] if d['device'] >= 0 else ''}".rstrip()
         )
     lines.append("#")
     return "\n".join(lines + HEADER)

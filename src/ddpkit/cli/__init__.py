@@ -60,10 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(words)
     if extra:
         where = f"ddpkit {args.command}" if args.command else "ddpkit"
-        print(
-            f"error: {where} does not know {' '.join(extra)}\nfix: see `{where} --help`",
-            file=sys.stderr,
-        )
+        fix = f"see `{where} --help`"
+        if args.command == "run":
+            from ddpkit.launch.config import OTHER_LAUNCHERS, fix_for_option
+
+            known = [w for w in extra if w.split("=", 1)[0] in OTHER_LAUNCHERS]
+            fix = fix_for_option(known[0]) if known else fix
+        print(f"error: {where} does not know {' '.join(extra)}\nfix: {fix}", file=sys.stderr)
         return 2
     if target is not None and args.command == "run":
         args.target = target

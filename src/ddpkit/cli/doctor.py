@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     found = facts.gather(environ)
     findings = checks.run_all(found, environ)
     if args.script:
-        findings += script.scan(args.script)
+        findings += script.scan(args.script, gpus=len(found.gpus))
         findings.sort(key=lambda f: checks.LEVELS.index(f.level))  # problems first
     spread = [
         f"--{flag.replace('_', '-')}={value}"

@@ -69,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start(cfg: config.LaunchConfig) -> int:
-    """Warn about a privileged port, then hand over to the supervisor (which imports torch)."""
+    """Warn about a privileged port and what in the environment will not do what was meant,
+    then hand over to the supervisor (which imports torch)."""
     from ddpkit.launch import ports
 
-    warning = ports.warn_privileged(cfg.master_port)
-    if warning:
+    warnings = [ports.warn_privileged(cfg.master_port), *config.environment_warnings(os.environ)]
+    for warning in filter(None, warnings):
         print(f"ddpkit: warning: {warning}", file=sys.stderr, flush=True)
     from ddpkit.launch.supervisor import launch
 

@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
             from rich.console import Console
 
             # a pipe or a file gets the whole table, not one cut to 80 columns
-            Console(width=None if sys.stdout.isatty() else 160).print(table(job, status))
+            console = Console(width=None if sys.stdout.isatty() else 160)
+            console.print(table(job, status, console.width))
         return 0
     return live(job, run_dir, args.interval)
 
@@ -83,54 +84,111 @@ def read(run_dir: Path) -> dict[str, Any]:
         return {"time": None, "window": None, "ranks": []}
 
 
-def table(job: str, status: dict[str, Any]) -> Any:
+# (wide header, narrow header); the narrow ones and the columns' order fit 80 columns
+COLUMNS = {
+    "rank": ("rank", "rank"),
+    "host": ("host", "host"),
+    "steps": ("step ms last/median/p90", "ms median"),
+    "rate": ("steps/s", "st/s"),
+    "split": ("data/compute/comm/host", "split %"),
+    "gpu": ("GPU", "GPU"),
+    "util": ("util", "util"),
+    "memory": ("memory", "mem GiB"),
+    "clock": ("clock", "clock"),
+    "temp": ("temp", "temp"),
+    "power": ("power", "power"),
+    "cpu": ("host CPU/mem", "CPU/mem"),
+}
+WIDE = 130  # a terminal at least this wide gets every column with its long header
+NARROW_DROPS = ("clock", "power", "temp")  # the first to go where space is short
+
+
+def table(job: str, status: dict[str, Any], width: int = WIDE) -> Any:
+    """The ranks as a rich Table for a terminal `width` columns wide: every column on a wide
+    one; on a narrow one short headers, one step time (the median) instead of three, and
+    neither GPU clock, temperature nor power. Columns with nothing to show (no GPU, one host)
+    are left out."""
     from rich.table import Table
 
+    wide = width >= WIDE
     ranks = status.get("ranks") or []
     age = time.time() - status["time"] if status.get("time") else None
     caption = f"job {job}"
     if status.get("window"):
-        caption += f": medians of each rank's last {status['window']} steps"
+        window = status["window"]
+        caption += f": medians of each rank's last {window} steps" if wide else f", {window} steps"
     if age is not None and age > 5:
         caption += f" (as of {age:.0f} s ago)"
-    t = Table(title=caption, title_justify="left", header_style="bold")
-    for name in ("rank", "host", "step ms last/median/p90", "steps/s", "data/compute/comm/host",
-                 "GPU", "util", "memory", "clock", "temp", "power", "host CPU/mem"):  # fmt: skip
-        t.add_column(name, justify="left" if name in ("host", "GPU") else "right")
-    if not ranks:
-        t.add_row("-", "waiting for the first steps", *[""] * 10)
-    for r in ranks:
-        facts = r.get("facts") or {}
-        gpu = facts.get("gpu") or {}
-        host = facts.get("host") or {}
-        split = r.get("split") or {}
-        slow = r.get("straggler")
-        t.add_row(
-            f"[bold red]{r['rank']} straggler[/]" if slow else str(r["rank"]),
-            str(r.get("host", "")),
-            f"{r['last_s'] * 1e3:.1f} / {r['median_s'] * 1e3:.1f} / {r['p90_s'] * 1e3:.1f}",
-            f"{r['steps_per_s']:.1f}",
-            " / ".join(f"{split.get(k, 0) * 100:.0f}" for k in ("data", "compute", "comm", "host"))
-            + " %",
-            str(r.get("gpu") or "-"),
-            _pct(gpu.get("util")),
-            _mem(gpu),
-            f"{gpu['sm_mhz']} MHz" if gpu.get("sm_mhz") else "-",
-            f"{gpu['temp_c']} C" if gpu.get("temp_c") is not None else "-",
-            f"{gpu['power_w']:.0f} W" if gpu.get("power_w") is not None else "-",
-            f"{_pct(host.get('cpu_percent'))} / {_pct(host.get('mem_percent'))}",
-        )
+    if not wide:
+        caption += "; split % = data/compute/comm/host"
+    rows = [_row(r, wide) for r in ranks]
+    keep = [
+        name
+        for name in COLUMNS
+        if (wide or name not in NARROW_DROPS)
+        and (not rows or name == "rank" or any(row[name] not in ("", "-") for row in rows))
+        and not (name == "host" and len({row["host"] for row in rows}) <= 1 and not wide)
+    ]
+    from rich import box
+
+    t = Table(
+        title=caption,
+        title_justify="left",
+        header_style="bold",
+        box=box.SQUARE if wide else box.SIMPLE_HEAD,  # narrow: no column borders
+    )
+    for name in keep:
+        header = COLUMNS[name][0 if wide else 1]
+        t.add_column(header, justify="left" if name in ("host", "gpu") else "right")
+    if not rows:
+        t.add_row("-", "waiting for the first steps", *[""] * (len(keep) - 2))
+    for row in rows:
+        t.add_row(*(row[name] for name in keep))
     return t
+
+
+def _row(r: dict[str, Any], wide: bool) -> dict[str, str]:
+    facts = r.get("facts") or {}
+    gpu = facts.get("gpu") or {}
+    host = facts.get("host") or {}
+    split = r.get("split") or {}
+    times = (r["last_s"], r["median_s"], r["p90_s"]) if wide else (r["median_s"],)
+    parts = [f"{split.get(k, 0) * 100:.0f}" for k in ("data", "compute", "comm", "host")]
+    mark = "straggler" if wide else "slow"
+    sep = " / " if wide else "/"
+    return {
+        "rank": f"[bold red]{r['rank']} {mark}[/]" if r.get("straggler") else str(r["rank"]),
+        "host": str(r.get("host", "")),
+        "steps": " / ".join(f"{t * 1e3:.1f}" for t in times),
+        "rate": f"{r['steps_per_s']:.1f}",
+        "split": sep.join(parts) + (" %" if wide else "%"),
+        "gpu": str(r.get("gpu") or "-") if wide else _short_gpu(r.get("gpu")),
+        "util": _pct(gpu.get("util")),
+        "memory": _mem(gpu, wide),
+        "clock": f"{gpu['sm_mhz']} MHz" if gpu.get("sm_mhz") else "-",
+        "temp": f"{gpu['temp_c']} C" if gpu.get("temp_c") is not None else "-",
+        "power": f"{gpu['power_w']:.0f} W" if gpu.get("power_w") is not None else "-",
+        "cpu": f"{_pct(host.get('cpu_percent'))}{sep}{_pct(host.get('mem_percent'))}",
+    }
+
+
+def _short_gpu(name: Any) -> str:
+    """'0 NVIDIA H200' -> '0 H200': the index and the model's last word."""
+    if not name:
+        return "-"
+    words = str(name).split()
+    return f"{words[0]} {words[-1]}" if len(words) > 2 else str(name)
 
 
 def _pct(value: Any) -> str:
     return "-" if value is None else f"{value:.0f}%"
 
 
-def _mem(gpu: dict[str, Any]) -> str:
+def _mem(gpu: dict[str, Any], wide: bool = True) -> str:
     if gpu.get("mem_used_mib") is None:
         return "-"
-    return f"{gpu['mem_used_mib'] / 1024:.1f}/{gpu.get('mem_total_mib', 0) / 1024:.0f} GiB"
+    used, total = gpu["mem_used_mib"] / 1024, gpu.get("mem_total_mib", 0) / 1024
+    return f"{used:.1f}/{total:.0f} GiB" if wide else f"{used:.0f}/{total:.0f}"
 
 
 def live(job: str, run_dir: Path, interval: float) -> int:
@@ -141,7 +199,7 @@ def live(job: str, run_dir: Path, interval: float) -> int:
     try:
         with keys() as pressed, Live(console=console, auto_refresh=False) as view:
             while True:
-                view.update(table(job, read(run_dir)), refresh=True)
+                view.update(table(job, read(run_dir), console.width), refresh=True)
                 if "q" in pressed(interval).lower():
                     return 0
                 if not (run_dir / LIVE).exists() and not run_dir.exists():

@@ -17,62 +17,9 @@ from typing import Any
 from ddpkit.doctor.facts import Facts
 from ddpkit.env import check_gpu_fit, read_env
 from ddpkit.errors import EnvError
+from ddpkit.spelling import misspellings
 
 LEVELS = ("error", "warning", "info")
-
-# Variables that torch, NCCL, CUDA, the launchers and OpenMP read: a near-miss is a typo.
-KNOWN_NAMES = (
-    "CUDA_VISIBLE_DEVICES",
-    "CUDA_LAUNCH_BLOCKING",
-    "CUDA_DEVICE_ORDER",
-    "CUDA_HOME",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
-    "CUDA_MODULE_LOADING",
-    "NCCL_DEBUG",
-    "NCCL_DEBUG_SUBSYS",
-    "NCCL_DEBUG_FILE",
-    "NCCL_SOCKET_IFNAME",
-    "NCCL_IB_DISABLE",
-    "NCCL_IB_HCA",
-    "NCCL_P2P_DISABLE",
-    "NCCL_P2P_LEVEL",
-    "NCCL_SHM_DISABLE",
-    "NCCL_NVLS_ENABLE",
-    "NCCL_ALGO",
-    "NCCL_PROTO",
-    "NCCL_BUFFSIZE",
-    "NCCL_NTHREADS",
-    "NCCL_NET_GDR_LEVEL",
-    "NCCL_CROSS_NIC",
-    "NCCL_TIMEOUT",
-    "NCCL_ASYNC_ERROR_HANDLING",
-    "NCCL_BLOCKING_WAIT",
-    "NCCL_MIN_NCHANNELS",
-    "NCCL_MAX_NCHANNELS",
-    "NCCL_LAUNCH_MODE",
-    "TORCH_DISTRIBUTED_DEBUG",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "TORCH_NCCL_BLOCKING_WAIT",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE",
-    "TORCH_FR_BUFFER_SIZE",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT",
-    "TORCH_CPP_LOG_LEVEL",
-    "TORCH_SHOW_CPP_STACKTRACES",
-    "TORCH_LOGS",
-    "TORCH_HOME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "OMP_NUM_THREADS",
-    "GLOO_SOCKET_IFNAME",
-    "PYTORCH_CUDA_ALLOC_CONF",
-)
-
 
 @dataclass
 class Finding:
@@ -131,34 +78,18 @@ def distributed_variables(facts: Facts, env: dict[str, str]) -> list[Finding]:
     return []
 
 
-def edit_distance(a: str, b: str) -> int:
-    previous = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        current = [i]
-        for j, cb in enumerate(b, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
-        previous = current
-    return previous[-1]
-
-
 @check
 def misspelt_variables(facts: Facts, env: dict[str, str]) -> list[Finding]:
-    findings = []
-    for name in env:
-        if name in KNOWN_NAMES or len(name) < 5:
-            continue
-        close = [k for k in KNOWN_NAMES if edit_distance(name, k) <= max(1, len(k) // 8)]
-        if close:
-            findings.append(
-                Finding(
-                    "warning",
-                    "spelling",
-                    f"{name} is set, and looks like a misspelling of {close[0]}",
-                    f"nothing reads {name}, so the setting you meant has no effect",
-                    f"rename it: export {close[0]}={env[name]!r}; unset {name}",
-                )
-            )
-    return findings
+    return [
+        Finding(
+            "warning",
+            "spelling",
+            f"{name} is set, and looks like a misspelling of {meant}",
+            f"nothing reads {name}, so the setting you meant has no effect",
+            f"rename it: export {meant}={env[name]!r}; unset {name}",
+        )
+        for name, meant in misspellings(env)
+    ]
 
 
 @check

@@ -17,7 +17,9 @@ from ddpkit.doctor.checks import Finding
 from ddpkit.errors import ConfigError
 
 
-def scan(path: str) -> list[Finding]:
+def scan(path: str, gpus: int | None = None) -> list[Finding]:
+    """Findings for the script at `path`; `gpus` (this machine's) makes a hard-coded 'nccl' an
+    error where there is none."""
     source_path = Path(path)
     try:
         source = source_path.read_text()
@@ -68,13 +70,18 @@ def scan(path: str) -> list[Finding]:
                 )
             )
         if func.endswith("init_process_group") and _backend(call) == "nccl":
+            here = gpus == 0
             findings.append(
                 Finding(
-                    "info",
+                    "error" if here else "info",
                     "script",
-                    "backend 'nccl' is hard-coded",
-                    "the script cannot run on a machine without GPUs (a laptop, CI)",
-                    "pick the backend from the machine, or use ddpkit.setup()",
+                    "backend 'nccl' is hard-coded"
+                    + (" and this machine has no GPU" if here else ""),
+                    "init_process_group('nccl') fails here: NCCL needs a CUDA GPU per rank"
+                    if here
+                    else "the script cannot run on a machine without GPUs (a laptop, CI)",
+                    "use backend='gloo' on CPUs, pick the backend from the machine "
+                    "('nccl' if torch.cuda.is_available() else 'gloo'), or use ddpkit.setup()",
                     at(call),
                 )
             )

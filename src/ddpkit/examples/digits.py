@@ -85,7 +85,7 @@ def main() -> None:
                 raise RuntimeError(f"planted failure at epoch {epoch} (--fail-at-epoch)")
             model.train()
             total, batches = 0.0, 0
-            for x, y in s.progress(train, desc=f"epoch {epoch}", leave=False):
+            for x, y in s.progress(train, desc=f"epoch {epoch}"):
                 loss = nn.functional.cross_entropy(model(x), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

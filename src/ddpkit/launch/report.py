@@ -144,6 +144,7 @@ class Outcome:
             summary += f" ({causes.error_text(error)})"
             if site := causes.error_site(error):
                 summary += f" at {site}"
+            fix = fix or error.fix
         return cls(
             ok=False,
             exit_code=exit_code_of(root.exit_code),

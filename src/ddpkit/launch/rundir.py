@@ -7,11 +7,13 @@ link to theirs). Each run gets a folder of its own, made with O_EXCL semantics (
 the same run id never share one), mode 0700; logs and reports inside are 0600.
 
 Retention (docs/launcher.md, "Output and files"): at each start, run folders beyond the newest
-KEEP and older than a week are removed from the base folder.
+KEEP and older than a week are removed from the base folder. `latest` in the base folder
+links to the newest run's folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -87,6 +89,22 @@ def make(base: Path, name: str) -> Path:
             ) from None
         return folder
     raise LaunchError(f"1000 run folders named {name} in {base}", fix="pass another --run-id")
+
+
+LATEST = "latest"
+
+
+def mark_latest(base: Path, folder: Path) -> None:
+    """base/latest -> this run's folder (a relative link, replaced atomically), so the newest
+    run is always at one path: `less /tmp/ddpkit-$UID/latest/rank0.log`."""
+    link = base / LATEST
+    staging = base / f".{LATEST}.{os.getpid()}"
+    try:
+        os.symlink(folder.name, staging)
+        os.replace(staging, link)
+    except OSError:  # a read-only or odd file system: the run goes on without it
+        with contextlib.suppress(OSError):
+            os.unlink(staging)
 
 
 def open_private(path: Path) -> int:

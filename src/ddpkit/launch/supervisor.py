@@ -67,11 +67,12 @@ def launch(cfg: LaunchConfig) -> int:
     try:
         name = node.run_id if node.nnodes == 1 else f"{node.run_id}-node{node.group_rank}"
         run_dir = rundir.make(base, name)
+        rundir.mark_latest(base, run_dir)
         with contextlib.suppress(OSError):
             rundir.prune(base)
         _say_start(cfg, node, run_dir)
         watchdog = _start_watchdog(node.run_id, cfg.grace)
-        attempt, rounds = 0, 0
+        attempt, rounds, began = 0, 0, time.monotonic()
         while True:
             live = Liveness(node, cfg.node_timeout, elastic=cfg.min_nodes < cfg.nnodes)
             live.start()
@@ -82,18 +83,23 @@ def launch(cfg: LaunchConfig) -> int:
                 _say(f"liveness: {live.beats} beats, longest gap {live.longest_gap:.2f} s")
             if outcome.ok:
                 crossnode.finish(node, live)
+                _say(_done_line(run_dir, time.monotonic() - began))
                 break
             # a node that serves a store waits for the others to read why (bounded)
             hurry = signals.count > 0
             crossnode.leave(node, live, 1.0 if hurry else cfg.node_timeout, hurry=hurry)
             if outcome.membership and not signals.count:
                 _say(f"the job's nodes change ({outcome.summary}): every node starts again")
-            else:
-                _say(outcome.text.lstrip("\n"), prefix="")
-                if not _restarts(cfg, outcome, attempt, signals):
-                    break
+            elif _restarts(cfg, outcome, attempt, signals):
+                # not the job's end: no exit code yet, the group starts again
+                text = outcome.text.lstrip("\n").rsplit("\n  exit code:", 1)[0]
+                tries = f"attempt {attempt + 1} of {cfg.max_restarts + 1}"
+                _say(text.replace("ddpkit: the job ", f"ddpkit: {tries}: the job ", 1), prefix="")
                 attempt += 1
                 _say(f"restarting the whole group ({attempt} of {cfg.max_restarts})")
+            else:
+                _say(outcome.text.lstrip("\n"), prefix="")
+                break
             node = crossnode.next_round(cfg, node)
     finally:
         node.close()
@@ -102,6 +108,12 @@ def launch(cfg: LaunchConfig) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return code
+
+
+def _done_line(run_dir: Path, seconds: float) -> str:
+    files = [name for name in ("speed.json", "steps.png") if (run_dir / name).exists()]
+    also = f" ({', '.join(files)} beside the logs)" if files else ""
+    return f"done in {seconds:.1f} s: every rank exited 0; logs in {run_dir}{also}"
 
 
 def _restarts(cfg: LaunchConfig, outcome: report.Outcome, attempt: int, signals: Signals) -> bool:
@@ -172,10 +184,10 @@ def _run_attempt(
             w.output.close()
         end_orphans({w.proc.pid for w in workers}, watchdog.pid)
     if speed is not None and not signals.count:
-        summary = speed.finish()
+        summary = speed.finish()  # speed.json and steps.png, whatever the outcome
         while speed.notes:
             _say(speed.notes.pop(0))
-        if summary:
+        if summary and outcome.ok:  # after a failure the step times are beside the point
             _say(summary)
     outcome.grace = given
     outcome.finalize(workers, run_dir, state_dir)
@@ -262,7 +274,12 @@ def _supervise(
             next_init_check = now + 0.5
             missing = _missing_at_init(workers, state_dir, cfg.init_timeout)
             if missing:
-                return report.Outcome.launcher_failure(missing)
+                outcome = report.Outcome.launcher_failure(missing)
+                # where the missing ranks are instead: their stacks, as the hang doctor shows
+                absent = [w for w in workers if _absent(w, state_dir)]
+                stop = lambda: signals.count > 0  # noqa: E731
+                outcome.details = rank_places.collect(absent, state_dir, False, stop)[1]
+                return outcome
         time.sleep(cfg.torchrun.monitor_interval)
 
 
@@ -340,11 +357,7 @@ def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> 
     waiting = {r: t for r, (p, t) in phases.items() if p == "init"}
     if not waiting:
         return None
-    absent = [
-        w.rank
-        for w in workers
-        if phases[w.rank][0] in ("starting", "started") and w.exit_code is None
-    ]
+    absent = [w.rank for w in workers if _absent(w, state_dir, phases[w.rank][0])]
     waited = time.time() - min(waiting.values())
     if not absent or waited < timeout:
         return None
@@ -353,6 +366,12 @@ def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> 
         f"{ranks_text(sorted(waiting))} waited {waited:.0f} s for it "
         f"(--init-timeout {timeout:g})"
     )
+
+
+def _absent(w: Worker, state_dir: Path, phase: str | None = None) -> bool:
+    """A live rank that has not reached init_process_group."""
+    phase = phase or protocol.read_phase(state_dir, w.rank)[0]
+    return phase in ("starting", "started") and w.exit_code is None
 
 
 def _become_subreaper() -> None:

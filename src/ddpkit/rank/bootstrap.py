@@ -206,10 +206,12 @@ def describe_shapes(args: tuple[Any, ...]) -> str:
     return " ".join(shapes)
 
 
-def write_error(kind: str, message: str, trace: str = "", exit_code: int | None = None) -> None:
+def write_error(
+    kind: str, message: str, trace: str = "", exit_code: int | None = None, fix: str = ""
+) -> None:
     """This rank's failure, timestamped, for the launcher's root-cause verdict."""
     if STATE_DIR:
-        record = protocol.ErrorRecord(time.time(), kind, message, trace, exit_code)
+        record = protocol.ErrorRecord(time.time(), kind, message, trace, exit_code, fix)
         try:
             protocol.write_error(STATE_DIR, RANK, record)
         except OSError:
@@ -221,8 +223,10 @@ def record_errors() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(kind, KeyboardInterrupt):
+            from ddpkit.rank.hints import fix_for
+
             trace = "".join(traceback.format_exception(kind, value, tb))
-            write_error(kind.__name__, str(value), trace)
+            write_error(kind.__name__, str(value), trace, fix=fix_for(value, tb))
         previous(kind, value, tb)
 
     sys.excepthook = hook

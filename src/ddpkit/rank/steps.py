@@ -14,7 +14,8 @@ marks the steps when there are several). Each step is split into:
   the step (from the end of the previous step to the end of this one, in stream order) less
   that communication wait;
 * host: on a GPU, the step's wall time the GPU was not busy with it and the host was not
-  waiting for data (a host that cannot launch kernels fast enough); 0 on the CPU.
+  waiting for data (a host that cannot launch kernels fast enough); on the CPU, ddpkit's own
+  time inside the DataLoader (s.loader's seeding), so it never counts as the user's data.
 
 The last gradient of a backward is found once: at the first timed step every parameter of the
 optimizer reports when its gradient is accumulated, then only the last one keeps its hook. GPU
@@ -56,6 +57,7 @@ class Clock:
         self.started: float | None = None  # host time the current step began
         self.number = 0
         self.data = 0.0
+        self.own = 0.0  # ddpkit's own time inside the DataLoader (counted as the host's)
         self.comm = 0.0  # host-blocked communication (collectives; DDP's wait on the CPU)
         self.cuda: Any = None  # the torch.cuda module when the optimizer's parameters are there
         self.start_event: Any = None  # GPU: the previous step's end
@@ -103,14 +105,16 @@ class Clock:
             else:
                 comm = self.comm if self.comm < total else total
                 data = self.data if self.data < total - comm else total - comm
+                data = data if data > 0.0 else 0.0
+                own = self.own if self.own < total - comm - data else total - comm - data
                 self.writer.write_values(
-                    self.number, time.time(), total, data, total - comm - data, comm, 0.0
+                    self.number, time.time(), total, data, total - comm - data - own, comm, own
                 )
         elif self.cuda is not None:
             self.start_event = self._event()
             self.start_event.record()
         self.started = time.perf_counter()
-        self.data = self.comm = 0.0
+        self.data = self.comm = self.own = 0.0
         _beat()
 
     def _drain(self, wait: bool = False) -> None:
@@ -212,6 +216,15 @@ def waited_in_collective(seconds: float) -> None:
     """The bootstrap's collective wrappers: this rank was blocked that long in one."""
     if _clock is not None:
         _clock.comm += seconds
+
+
+def not_data(seconds: float) -> None:
+    """ddpkit's loader spent `seconds` of the current batch's wait on its own work: not the
+    user's data time (on the CPU it is reported as host time; on a GPU host time is what the
+    GPU waited for the host, which it already includes)."""
+    if _clock is not None:
+        _clock.data -= seconds
+        _clock.own += seconds
 
 
 def patch_dataloader(module: Any) -> None:

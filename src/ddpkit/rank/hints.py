@@ -1,0 +1,102 @@
+"""A fix line for the torch errors a user can fix, worked out in the rank that raised them (where
+the model and the machine can still be asked): the bootstrap writes it into the rank's error
+record, and the launcher's report prints it under the root cause.
+
+* nccl asked for where it cannot run (no GPU, a CPU build of torch);
+* `rank % torch.cuda.device_count()` on a machine where no GPU is visible;
+* DDP's unused parameters, named (torch gives their indices) with `find_unused_parameters=True`;
+* a model that differs on one rank (DDP's shape check), with the parameter named.
+"""
+
+from __future__ import annotations
+
+import linecache
+import re
+import sys
+from types import TracebackType
+from typing import Any
+
+_UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+_MISMATCH = re.compile(r"\[(\d+)\]: params\[(\d+)\] in this process with sizes (\[[\d, ]*\])")
+
+
+def fix_for(error: BaseException, tb: TracebackType | None) -> str:
+    """What the user can do about `error`, or "" when ddpkit has nothing better than torch's
+    own words."""
+    try:
+        return _fix_for(error, tb)
+    except Exception:  # a hint must never hide the error it is about
+        return ""
+
+
+def _fix_for(error: BaseException, tb: TracebackType | None) -> str:
+    message = str(error)
+    if "NCCL built in" in message or "ProcessGroupNCCL is only supported with GPUs" in message:
+        return (
+            "this machine has no CUDA GPU for NCCL (or this torch build has no NCCL): use "
+            "backend='gloo' on CPUs, or ddpkit.setup(), which picks nccl or gloo by itself"
+        )
+    if isinstance(error, ZeroDivisionError) and "device_count" in _line_of(tb):
+        return (
+            "torch.cuda.device_count() is 0: no GPU is visible here (check CUDA_VISIBLE_DEVICES "
+            "and nvidia-smi); on CPUs use gloo and no set_device, or ddpkit.setup(), which "
+            "picks the device from LOCAL_RANK"
+        )
+    unused = _UNUSED.search(message)
+    if unused:
+        indices = [int(i) for i in unused.group(2).split()]
+        names = _parameter_names(tb, indices)
+        which = f" ({', '.join(names)})" if names else ""
+        return (
+            f"parameters {' '.join(map(str, indices))}{which} got no gradient on rank "
+            f"{unused.group(1)}: let every output that holds them reach the loss, or wrap with "
+            "find_unused_parameters=True (s.wrap(model, find_unused_parameters=True), or "
+            "DistributedDataParallel(..., find_unused_parameters=True))"
+        )
+    mismatch = _MISMATCH.search(message)
+    if mismatch:
+        rank, index, sizes = mismatch.groups()
+        names = _parameter_names(tb, [int(index)])
+        which = f" ({names[0]})" if names else ""
+        return (
+            f"rank {rank} built a different model: its parameter {index}{which} has sizes "
+            f"{sizes}, unlike rank 0's; build the model the same way on every rank (the same "
+            "code path and configuration, nothing that depends on the rank)"
+        )
+    return ""
+
+
+def _line_of(tb: TracebackType | None) -> str:
+    """The source line the error was raised at (the innermost frame)."""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    return linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+
+
+def _parameter_names(tb: TracebackType | None, indices: list[int]) -> list[str]:
+    """Names of DDP's parameters by index (DDP counts the parameters that require grad, in
+    named_parameters() order), from the DistributedDataParallel in the failing call."""
+    ddp = _ddp_in(tb)
+    if ddp is None:
+        return []
+    module = getattr(ddp, "module", ddp)
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    return [names[i] for i in indices if 0 <= i < len(names)]
+
+
+def _ddp_in(tb: TracebackType | None) -> Any:
+    """The DistributedDataParallel whose method is in the traceback, if any."""
+    ddp_type = getattr(
+        sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None
+    )
+    if ddp_type is None:
+        return None
+    found = None
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, ddp_type):
+            found = candidate
+        tb = tb.tb_next
+    return found

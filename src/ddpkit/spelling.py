@@ -1,0 +1,83 @@
+"""Environment variables that look like a misspelling of one torch, NCCL, CUDA, OpenMP or a
+launcher reads (CUDA_VISIBLE_DIVICE): nothing reads them, so what the user meant has no
+effect. Used by `ddpkit doctor` and by `ddpkit run` before it starts anything. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Variables that torch, NCCL, CUDA, the launchers and OpenMP read: a near-miss is a typo.
+KNOWN_NAMES = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_LAUNCH_BLOCKING",
+    "CUDA_DEVICE_ORDER",
+    "CUDA_HOME",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "CUDA_MODULE_LOADING",
+    "NCCL_DEBUG",
+    "NCCL_DEBUG_SUBSYS",
+    "NCCL_DEBUG_FILE",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "NCCL_IB_HCA",
+    "NCCL_P2P_DISABLE",
+    "NCCL_P2P_LEVEL",
+    "NCCL_SHM_DISABLE",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_BUFFSIZE",
+    "NCCL_NTHREADS",
+    "NCCL_NET_GDR_LEVEL",
+    "NCCL_CROSS_NIC",
+    "NCCL_TIMEOUT",
+    "NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_BLOCKING_WAIT",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_LAUNCH_MODE",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "TORCH_LOGS",
+    "TORCH_HOME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "OMP_NUM_THREADS",
+    "GLOO_SOCKET_IFNAME",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
+
+
+def edit_distance(a: str, b: str) -> int:
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def misspellings(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(name set, name meant) for each variable one or two letters off a known name."""
+    found = []
+    for name in environ:
+        if name in KNOWN_NAMES or len(name) < 5:
+            continue
+        close = [k for k in KNOWN_NAMES if edit_distance(name, k) <= max(1, len(k) // 8)]
+        if close:
+            found.append((name, close[0]))
+    return found
