@@ -57,6 +57,7 @@ TORCH_ERROR = "torch-error.json"  # TORCHELASTIC_ERROR_FILE: what torch's @recor
 GRACEFUL = "graceful"  # exists once the rank reads s.stop_requested: it saves before it stops
 GROUP = "group"  # the default process group's backend and collective timeout (JSON)
 FAULT = "fault"  # faulthandler's dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, ...
+ENDED = "ended"  # "CODE TIME": the rank ended by itself, with this code, at this wall time
 
 # The launcher asks a rank for its stacks with this signal (faulthandler answers it even while
 # the rank is blocked in C code). A real-time signal: SIGUSR1/SIGUSR2 belong to the user's
@@ -86,6 +87,19 @@ def read_phase(state_dir: str | Path, rank: int | str) -> tuple[str, float]:
         return phase, float(stamp)
     except (OSError, ValueError):
         return "starting", 0.0
+
+
+def write_ended(state_dir: str | Path, rank: int | str, code: int) -> None:
+    state_path(state_dir, rank, ENDED).write_text(f"{code} {time.time():.3f}\n")
+
+
+def read_ended(state_dir: str | Path, rank: int | str) -> tuple[int, float] | None:
+    """(exit code, wall time) of a rank that ended by itself, as it said; None otherwise."""
+    try:
+        code, stamp = state_path(state_dir, rank, ENDED).read_text().split()
+        return int(code), float(stamp)
+    except (OSError, ValueError):
+        return None
 
 
 def write_group(state_dir: str | Path, rank: int | str, backend: str, timeout: float) -> None:

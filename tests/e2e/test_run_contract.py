@@ -72,6 +72,8 @@ def test_output_is_prefixed_by_rank_and_logged_per_rank_in_a_private_folder(tmp_
     assert "[rank 1] to stderr from rank 1" in job.stderr
     run_dir = job.log_dir / job.run_id
     assert str(run_dir) in job.stderr, "the run folder is named at start"
+    assert f"every rank exited 0; logs in {run_dir}" in job.err[-1], "and again at the end"
+    assert (job.log_dir / "latest").resolve() == run_dir.resolve(), "latest is the newest run"
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     log = (run_dir / "rank1.log").read_text()
     assert "hello from rank 1" in log
@@ -130,6 +132,8 @@ def test_max_restarts_restarts_the_group_and_the_example_resumes(tmp_path):
     )
     assert job.finish(120) == 0
     assert "planted failure at epoch 1" in job.stderr
+    assert "ddpkit: attempt 1 of 2: the job failed" in job.stderr
+    assert "exit code:" not in job.stderr, "an attempt that is restarted is not the job's end"
     assert "restarting the whole group (1 of 1)" in job.stderr
     assert "resumed from" in job.stdout
     assert "at epoch 1" in job.stdout

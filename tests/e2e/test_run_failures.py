@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
@@ -51,6 +52,9 @@ def test_ctrl_c_or_sigterm_in_any_phase_stops_everything_within_grace(tmp_path, 
     job.proc.send_signal(sig)
     took = gone_within(job, grace + 10)
     assert job.proc.returncode == 128 + sig
+    said = job.stdout + job.stderr
+    assert "ddpkit/rank/" not in said, "ddpkit's frames are trimmed"
+    assert "runpy" not in said
     # SIGKILL comes at `grace`; after it the kernel tears down processes that hold torch and
     # the launcher reports: 0.1-0.5 s idle, up to 2.2 s seen with CI's other worker on both cores
     assert took < bound(grace + 3), f"took {took:.1f} s"
@@ -125,6 +129,7 @@ def test_a_rank_that_never_reaches_init_is_named(tmp_path):
     assert job.finish(60) == 1
     assert "rank 1 never reached init_process_group" in job.stderr
     assert "rank 0,2 waited" in job.stderr
+    assert re.search(r"rank 1 is .* at phases\.py:\d+", job.stderr), "where rank 1 is instead"
     assert time.monotonic() - started < bound(30)
     assert not job.survivors()
 

@@ -216,3 +216,48 @@ def test_pet_variables_reach_torchruns_own_flags_too(script, gpus):
 def test_the_environment_for_commands_that_launch_jobs_reads_pet_variables_too(script, gpus):
     cfg = config.build("script", script, environ={"PET_NPROC_PER_NODE": "3"})
     assert cfg.nproc_per_node == 3
+
+
+def test_the_interpreter_given_as_the_script_is_refused_with_the_command_to_use(script):
+    with pytest.raises(ConfigError, match="'python' is the interpreter, not a script") as err:
+        parse(["-n", "2", "python", script, "--epochs", "3"])
+    assert err.value.fix == "drop it: ddpkit run [options] train.py ..."
+    with pytest.raises(ConfigError, match="is the interpreter"):
+        parse(["-n", "2", "/usr/bin/python3.11", script])
+
+
+@pytest.mark.parametrize(
+    ("flag", "meant"),
+    [("--num_processes", "-n N"), ("--num_machines", "--nnodes N"), ("--gpus", "-n N")],
+)
+def test_another_launchers_flag_gets_a_pointer_to_ours(capsys, script, flag, meant):
+    from ddpkit.cli import main
+
+    assert main(["run", flag, "2", script]) == 2
+    said = capsys.readouterr().err
+    assert f"{flag} is another launcher's flag" in said
+    assert f"ddpkit run says {meant}" in said
+
+
+def test_rank_variables_and_misspellings_in_the_launchers_shell_are_warned_about():
+    said = config.environment_warnings(
+        {"RANK": "0,1,2", "CUDA_VISIBLE_DIVICE": "0", "PATH": "/usr/bin", "HOME": "/root"}
+    )
+    assert said[0].startswith("RANK='0,1,2' is set in this shell; ddpkit run gives every rank")
+    assert (
+        "CUDA_VISIBLE_DIVICE is set and looks like a misspelling of CUDA_VISIBLE_DEVICES"
+        in (said[1])
+    )
+    assert len(said) == 2
+    assert config.environment_warnings({"PATH": "/usr/bin", "OMP_NUM_THREADS": "4"}) == []
+
+
+def test_run_help_shows_each_options_default(capsys):
+    from ddpkit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for flag, (default, _) in config.OPTIONS.items():
+        if default is not None:
+            assert f"default {default}]" in shown, flag

@@ -58,7 +58,7 @@ def find_culprit(
     first = min(e.time for e in errors.values() if e is not None)
     victims = sorted(w.rank for w in failed)
     where = _victims_place(victims, state_dir)
-    early = [w for w in workers if w.exit_code == 0 and w.ended_wall <= first + 0.5]
+    early = [w for w in workers if w.exit_code == 0 and _ended_at(w, state_dir) <= first + 0.5]
     if early:
         ranks = sorted(w.rank for w in early)
         return Culprit(
@@ -91,6 +91,12 @@ def find_culprit(
         "its share of that work, so none waits alone",
         victims,
     )
+
+
+def _ended_at(w: Any, state_dir: Path) -> float:
+    """When a rank ended: as it said itself (the launcher may notice a while later)."""
+    said = protocol.read_ended(state_dir, w.rank)
+    return said[1] if said is not None else w.ended_wall
 
 
 def _victims_place(victims: list[int], state_dir: Path) -> str:

@@ -350,9 +350,6 @@ OTHER_LAUNCHERS = {
     "--main_process_port": "--master-port PORT",
     "--multi_gpu": "-n gpu (one process per GPU)",
     "--gpus": "-n N",
-    "--nproc": "-n N",
-    "--np": "-n N",
-    "-np": "-n N",
     "--devices": "-n N",
 }
 

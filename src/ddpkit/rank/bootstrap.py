@@ -396,6 +396,9 @@ def exit_quickly(code: object) -> None:
     status = code if isinstance(code, int) else (0 if code is None else 1)
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
+    if STATE_DIR:
+        with contextlib.suppress(OSError):  # when it ended, for the launcher's root cause
+            protocol.write_ended(STATE_DIR, RANK, status)
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:
         shutdown()

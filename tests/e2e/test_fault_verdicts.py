@@ -1,0 +1,209 @@
+"""The rank at fault is named, not its victims, for the faults users meet (issue 27), each on
+rank 0 and on a rank other than 0, at 3 ranks: a rank holding the GIL in C code, a stopped
+rank, a rank the others wait for (said once while the job goes on; the root cause when the
+group's timeout ends it), a rank that runs out of batches, a segfault, an abort, a DataLoader
+worker's exception, the kernel's OOM killer. Nothing is left running after any of them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.helpers import SCRIPTS, bound, start
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run_to_end(tmp_path, *args: str, timeout: float = 120):
+    job = start(["-n", "3", "--grace", "2", *args], tmp_path)
+    code = job.finish(bound(timeout))
+    assert not job.survivors(), "a process of the job is still running"
+    return code, job
+
+
+def root_cause(job) -> str:
+    found = re.search(r"root cause: (.*)", job.stderr)
+    assert found, job.stderr
+    return found.group(1)
+
+
+@pytest.mark.parametrize("stuck", [1, 0])
+def test_a_rank_holding_the_gil_in_c_code_is_caught_and_placed(tmp_path, stuck):
+    script = str(SCRIPTS / "catastrophic_regex.py")
+    code, job = run_to_end(tmp_path, "--hang-timeout", "4", script, str(stuck))
+    assert code == 124, job.stderr
+    cause = root_cause(job)
+    assert re.search(rf"rank {stuck} holds the GIL in C code for \d+ s: match "
+                     r"\(catastrophic_regex\.py:16\)", cause), cause  # fmt: skip
+    others = sorted({0, 1, 2} - {stuck})
+    assert f"ranks {others[0]},{others[1]} wait in all_reduce" in cause, cause
+
+
+def rank_pid(run_id: str, rank: int, timeout: float = 30) -> int:
+    """The pid of a rank of a running job (its bootstrap process)."""
+    from ddpkit.procs import processes_of_job
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in processes_of_job(run_id):
+            try:
+                if "ddpkit.rank.bootstrap" in p.cmdline() and p.environ().get("RANK") == str(rank):
+                    return p.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} in job {run_id}")
+
+
+@pytest.mark.parametrize("paused", [2, 0])
+def test_a_stopped_rank_is_named_as_stopped_with_how_to_resume_it(tmp_path, paused):
+    job = start(["-n", "3", "--grace", "2", "--hang-timeout", "4",
+                 str(SCRIPTS / "steady.py")], tmp_path)  # fmt: skip
+    job.wait_for("[rank 0] ready")
+    pid = rank_pid(job.run_id, paused)
+    os.kill(pid, signal.SIGSTOP)
+    assert job.finish(bound(60)) == 124, job.stderr
+    cause = root_cause(job)
+    assert f"rank {paused} is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT {pid}`" in cause
+    assert "gave no stack" not in job.stderr
+    assert not job.survivors()
+
+
+@pytest.mark.parametrize("evaluator", [2, 0])
+def test_a_long_wait_for_a_working_rank_is_said_once_and_the_job_goes_on(tmp_path, evaluator):
+    script = str(SCRIPTS / "evaluates_alone.py")
+    code, job = run_to_end(tmp_path, "--hang-timeout", "4", script, str(evaluator), "12")
+    assert code == 0, job.stderr
+    notes = [line for line in job.err if "not a hang, the job goes on" in line]
+    assert len(notes) == 1, job.stderr
+    others = sorted({0, 1, 2} - {evaluator})
+    assert f"ranks {others[0]},{others[1]} wait in all_reduce (evaluates_alone.py:29)" in notes[0]
+    assert f"rank {evaluator} is elsewhere: evaluate (evaluates_alone.py:21)" in notes[0]
+    assert "The process group's timeout (gloo, 1800 s) ends the job at" in notes[0]
+
+
+@pytest.mark.parametrize("evaluator", [1, 0])
+def test_the_rank_the_others_timed_out_waiting_for_is_the_root_cause(tmp_path, evaluator):
+    script = str(SCRIPTS / "evaluates_alone.py")
+    code, job = run_to_end(tmp_path, "--hang-timeout", "30", script, str(evaluator), "40", "6")
+    assert code == 1, job.stderr
+    cause = root_cause(job)
+    others = sorted({0, 1, 2} - {evaluator})
+    assert cause.startswith(
+        f"rank {evaluator} kept the others waiting: it was at evaluate (evaluates_alone.py:21) "
+        f"when ranks {others[0]},{others[1]} timed out waiting for it in all_reduce"
+    ), cause
+    assert f"victim: rank {others[0]}: RuntimeError: Timed out waiting 6000ms" in job.stderr
+    notes = [line for line in job.err if "not a hang, the job goes on" in line]
+    assert len(notes) == 1, "said before the group's timeout ended the job (at half of it)"
+    assert "(gloo, 6 s)" in notes[0]
+
+
+@pytest.mark.parametrize("short", [2, 0])
+def test_a_rank_that_runs_out_of_batches_is_the_root_cause_not_its_victims(tmp_path, short):
+    code, job = run_to_end(tmp_path, str(SCRIPTS / "runs_out.py"), str(short))
+    assert code == 1, job.stderr
+    cause = root_cause(job)
+    others = sorted({0, 1, 2} - {short})
+    assert cause.startswith(
+        f"rank {short} ended (exit code 0) while ranks {others[0]},{others[1]} still waited"
+    ), cause
+    assert "uneven inputs" in cause
+    assert "fix: give every rank the same number of batches: s.loader" in job.stderr
+    assert f"victim: rank {others[0]}: RuntimeError: Connection closed by peer" in job.stderr
+    assert "step times per rank" not in job.stderr, "no step table after a failed run"
+
+
+@pytest.mark.parametrize(
+    ("how", "culprit", "expected"),
+    [
+        ("segfault", 1, r"rank 1 died of SIGSEGV at dies_hard\.py:24 in read_null"),
+        ("segfault", 0, r"rank 0 died of SIGSEGV at dies_hard\.py:24 in read_null"),
+        ("abort", 2, r"rank 2 died of SIGABRT at dies_hard\.py:35"),
+        (
+            "loader",
+            1,
+            r"rank 1 exited with code 1 \(ValueError in DataLoader worker \d: sample 5 is "
+            r"corrupt\) at dies_hard\.py:19 in __getitem__",
+        ),
+    ],
+)
+def test_a_crash_names_the_line_it_died_at_and_the_workers_own_error(
+    tmp_path, how, culprit, expected
+):
+    code, job = run_to_end(tmp_path, str(SCRIPTS / "dies_hard.py"), how, str(culprit))
+    assert code != 0
+    assert re.match(expected, root_cause(job)), job.stderr
+
+
+def memory_cgroup_for_test() -> Path | None:
+    """A child of this process's memory cgroup, where one can be made (root, cgroup v1 or v2
+    with the memory controller), else None."""
+    from ddpkit.launch.causes import memory_cgroup
+
+    parent = memory_cgroup()
+    if parent is None or os.geteuid() != 0:
+        return None
+    child = parent / f"ddpkit-test-{uuid.uuid4().hex[:6]}"
+    try:
+        child.mkdir()
+    except OSError:
+        return None
+    return child
+
+
+@pytest.mark.parametrize("eater", [1, 0])
+def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(tmp_path, eater):
+    cgroup = memory_cgroup_for_test()
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
+    try:
+        limit = 3 * 2**30
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            if (cgroup / name).exists():
+                (cgroup / name).write_text(str(limit))
+                break
+        # the launcher starts inside the limited cgroup, as a pod's or a SLURM job's does
+        cmd = (
+            f"echo $$ > {cgroup}/cgroup.procs && exec {sys.executable} -m ddpkit run -n 3 "
+            f"--grace 2 --log-dir {tmp_path}/logs {SCRIPTS / 'eats_memory.py'} {eater}"
+        )
+        done = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=180)
+        assert done.returncode == 137, done.stderr
+        cause = re.search(r"root cause: (.*)", done.stderr).group(1)
+        assert cause.startswith(
+            f"rank {eater} was killed by the kernel's OOM killer: the job's memory cgroup "
+            "(limit 3.0 GiB) ran out of memory; its processes last held"
+        ), done.stderr
+        assert "fix: use less host memory per rank" in done.stderr
+    finally:
+        for _ in range(50):
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("case", "culprit", "fix"),
+    [
+        ("unused", 2, "fix: parameters 4 5 (aux.weight, aux.bias) got no gradient on rank"),
+        ("differs", 1, "fix: rank 1 built a different model: its parameter 4 (aux.weight)"),
+    ],
+)
+def test_ddp_errors_a_user_can_fix_get_a_fix_line_with_names(tmp_path, case, culprit, fix):
+    code, job = run_to_end(tmp_path, str(SCRIPTS / "ddp_mistakes.py"), case)
+    assert code == 1
+    assert fix in job.stderr
+    if case == "differs":
+        assert root_cause(job).startswith(f"rank {culprit} exited with code 1"), job.stderr

@@ -1,0 +1,57 @@
+"""Fix lines for the torch errors a user can fix, worked out from the real exceptions."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit.rank.hints import fix_for
+
+
+def raised(fn):
+    try:
+        fn()
+    except BaseException as err:  # the exception as the rank's excepthook gets it
+        return err, err.__traceback__
+    raise AssertionError("it did not raise")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: nccl would start")
+def test_nccl_where_there_is_no_gpu_says_use_gloo_or_setup():
+    store = dist.HashStore()
+    err, tb = raised(
+        lambda: dist.init_process_group(
+            "nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=5)
+        )
+    )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert fix_for(err, tb).startswith("this machine has no CUDA GPU for NCCL")
+    assert "backend='gloo'" in fix_for(err, tb)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_rank_modulo_device_count_without_a_gpu_names_the_cause():
+    rank = 1
+    err, tb = raised(lambda: torch.cuda.set_device(rank % torch.cuda.device_count()))
+    assert isinstance(err, ZeroDivisionError)
+    assert fix_for(err, tb).startswith("torch.cuda.device_count() is 0: no GPU is visible here")
+
+
+def test_an_unrelated_error_gets_no_fix():
+    err, tb = raised(lambda: {}["missing"])
+    assert fix_for(err, tb) == ""
+    err, tb = raised(lambda: 1 % 0)
+    assert fix_for(err, tb) == "", "a ZeroDivisionError of the user's own is not about GPUs"
+
+
+def test_a_broken_hint_never_hides_the_error(monkeypatch):
+    import ddpkit.rank.hints as hints
+
+    monkeypatch.setattr(hints, "_fix_for", lambda e, t: 1 / 0)
+    err, tb = raised(lambda: sys.exit(3))
+    assert fix_for(err, tb) == ""
