@@ -21,8 +21,18 @@ class Terminal:
         self.name = "ddpkit-" + uuid.uuid4().hex[:8]
         self.done = cwd / f".{self.name}.rc"
         # the exit code lands in a file; the pane stays open to be read
-        line = f"{shlex.join(command)}; echo $? > {shlex.quote(str(self.done))}; sleep 600"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TMUX")}
+        # COLUMNS and LINES (pytest-xdist sets 80x24) would override the pane's size for
+        # programs that ask for it (rich does); the tmux server may hold them from whichever
+        # test started it, so they are unset in the command itself
+        line = (
+            f"unset COLUMNS LINES; {shlex.join(command)}; "
+            f"echo $? > {shlex.quote(str(self.done))}; sleep 600"
+        )
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("TMUX") and k not in ("COLUMNS", "LINES")
+        }
         subprocess.run(
             ["tmux", "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height)]
             + ["-c", str(cwd), "bash", "--norc", "--noprofile", "-c", line],

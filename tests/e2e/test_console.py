@@ -330,7 +330,7 @@ def test_the_launcher_does_not_put_itself_on_the_workers_pythonpath(tmp_path):
 def test_torchs_record_decorator_writes_its_error_file(tmp_path):
     job = start(["-n", "1", str(SCRIPTS / "records.py")], tmp_path)
     assert job.finish(60) == 1
-    (error_file,) = (tmp_path / "logs").glob("*/state0/rank0.torch-error.json")
+    error_file = job.log_dir / job.run_id / "state0" / "rank0.torch-error.json"
     assert "recorded failure" in error_file.read_text()
     assert "root cause: rank 0 exited with code 1 (ValueError: recorded failure)" in job.stderr
 

@@ -8,7 +8,7 @@ import pytest
 
 from ddpkit.cli.run import split_argv
 from ddpkit.errors import ConfigError
-from ddpkit.launch import config
+from ddpkit.launch import config, mistakes
 
 
 def parse(words: list[str], environ: dict[str, str] | None = None) -> config.LaunchConfig:
@@ -240,7 +240,7 @@ def test_another_launchers_flag_gets_a_pointer_to_ours(capsys, script, flag, mea
 
 
 def test_rank_variables_and_misspellings_in_the_launchers_shell_are_warned_about():
-    said = config.environment_warnings(
+    said = mistakes.environment_warnings(
         {"RANK": "0,1,2", "CUDA_VISIBLE_DIVICE": "0", "PATH": "/usr/bin", "HOME": "/root"}
     )
     assert said[0].startswith("RANK='0,1,2' is set in this shell; ddpkit run gives every rank")
@@ -249,7 +249,7 @@ def test_rank_variables_and_misspellings_in_the_launchers_shell_are_warned_about
         in (said[1])
     )
     assert len(said) == 2
-    assert config.environment_warnings({"PATH": "/usr/bin", "OMP_NUM_THREADS": "4"}) == []
+    assert mistakes.environment_warnings({"PATH": "/usr/bin", "OMP_NUM_THREADS": "4"}) == []
 
 
 def test_run_help_shows_each_options_default(capsys):

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"ddpkit {args.command}" if args.command else "ddpkit"
         fix = f"see `{where} --help`"
         if args.command == "run":
-            from ddpkit.launch.config import OTHER_LAUNCHERS, fix_for_option
+            from ddpkit.launch.mistakes import OTHER_LAUNCHERS, fix_for_option
 
             known = [w for w in extra if w.split("=", 1)[0] in OTHER_LAUNCHERS]
             fix = fix_for_option(known[0]) if known else fix

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ddpkit.launch import config, torchrun_flags
+from ddpkit.launch import config, mistakes, torchrun_flags
 
 USAGE = "ddpkit run [options] script.py [args] | -m module [args] | --no-python cmd [args]"
 
@@ -73,7 +73,7 @@ def start(cfg: config.LaunchConfig) -> int:
     then hand over to the supervisor (which imports torch)."""
     from ddpkit.launch import ports
 
-    warnings = [ports.warn_privileged(cfg.master_port), *config.environment_warnings(os.environ)]
+    warnings = [ports.warn_privileged(cfg.master_port), *mistakes.environment_warnings(os.environ)]
     for warning in filter(None, warnings):
         print(f"ddpkit: warning: {warning}", file=sys.stderr, flush=True)
     from ddpkit.launch.supervisor import launch

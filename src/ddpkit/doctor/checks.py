@@ -21,6 +21,7 @@ from ddpkit.spelling import misspellings
 
 LEVELS = ("error", "warning", "info")
 
+
 @dataclass
 class Finding:
     level: str

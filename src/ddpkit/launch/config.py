@@ -25,8 +25,8 @@ from ddpkit.env import LOOPBACK, _int, slurm_hosts, slurm_port
 from ddpkit.errors import ConfigError
 from ddpkit.gpus import visible_gpu_count
 from ddpkit.launch import torchrun_flags, values
+from ddpkit.launch.mistakes import fix_for_option, is_python
 from ddpkit.launch.torchrun_flags import TorchrunOptions
-from ddpkit.spelling import misspellings
 
 TargetKind = Literal["script", "module", "command"]
 DAY, WEEK = 86400.0, 7 * 86400.0  # the longest grace, and the longest timeouts
@@ -326,7 +326,7 @@ def _target(args: argparse.Namespace) -> tuple[TargetKind, str, tuple[str, ...]]
             f"unknown option {first!r} before the script",
             fix=fix_for_option(first),
         )
-    if _is_python(first):
+    if is_python(first):
         script = f" {rest[0]}" if rest else " train.py"
         raise ConfigError(
             f"{first!r} is the interpreter, not a script: ddpkit run starts Python itself",
@@ -338,37 +338,6 @@ def _target(args: argparse.Namespace) -> tuple[TargetKind, str, tuple[str, ...]]
             fix="check the path; to run a module use -m package.module",
         )
     return "script", str(Path(first)), rest
-
-
-# other launchers' flags, with ddpkit's (or torchrun's) way to say the same
-OTHER_LAUNCHERS = {
-    "--num_processes": "-n N (processes on this node)",
-    "--num-processes": "-n N (processes on this node)",
-    "--num_machines": "--nnodes N",
-    "--machine_rank": "--node-rank K",
-    "--main_process_ip": "--master-addr HOST",
-    "--main_process_port": "--master-port PORT",
-    "--multi_gpu": "-n gpu (one process per GPU)",
-    "--gpus": "-n N",
-    "--devices": "-n N",
-}
-
-
-def fix_for_option(word: str) -> str:
-    name = word.split("=", 1)[0]
-    if name in OTHER_LAUNCHERS:
-        return (
-            f"{name} is another launcher's flag (Accelerate, mpirun, Lightning); ddpkit run "
-            f"says {OTHER_LAUNCHERS[name]}: see `ddpkit run --help`"
-        )
-    return "see `ddpkit run --help`; options go before the script name"
-
-
-def _is_python(word: str) -> bool:
-    name = os.path.basename(word)
-    return name in ("python", "python3") or (
-        name.startswith("python3.") and name[len("python3.") :].isdigit()
-    )
 
 
 def _nproc(value: str, env: Mapping[str, str]) -> tuple[int, str]:
@@ -480,27 +449,6 @@ def _check_module(name: str) -> None:
             f"-m {name}: no module {top!r} in the current folder or on the Python path",
             fix="check the name, run from the folder that holds it, or install its package",
         )
-
-
-# what ddpkit run sets for each rank itself: a value in the launcher's own shell is replaced
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-
-
-def environment_warnings(environ: Mapping[str, str]) -> list[str]:
-    """What in the launcher's own environment will not do what the user meant: a rank variable
-    ddpkit run replaces for every rank, a misspelt variable nothing reads."""
-    lines = [
-        f"{name}={environ[name]!r} is set in this shell; ddpkit run gives every rank its own "
-        f"{name}, so this one is ignored (unset {name})"
-        for name in RANK_VARIABLES
-        if name in environ
-    ]
-    lines += [
-        f"{name} is set and looks like a misspelling of {meant}: nothing reads it, so the "
-        f"setting has no effect (export {meant}={environ[name]!r}; unset {name})"
-        for name, meant in misspellings(environ)
-    ]
-    return lines
 
 
 def _omp_threads(nproc: int) -> int:

@@ -1,0 +1,62 @@
+"""What users get wrong when they start a job, said before anything starts: the interpreter
+given as the script (`ddpkit run -n 2 python train.py`), another launcher's flags
+(Accelerate's `--num_processes`), rank variables left in the shell (`RANK=0,1,2`), misspelt
+variables (`CUDA_VISIBLE_DIVICE`). No torch here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ddpkit.spelling import misspellings
+
+# other launchers' flags, with ddpkit's (or torchrun's) way to say the same
+OTHER_LAUNCHERS = {
+    "--num_processes": "-n N (processes on this node)",
+    "--num-processes": "-n N (processes on this node)",
+    "--num_machines": "--nnodes N",
+    "--machine_rank": "--node-rank K",
+    "--main_process_ip": "--master-addr HOST",
+    "--main_process_port": "--master-port PORT",
+    "--multi_gpu": "-n gpu (one process per GPU)",
+    "--gpus": "-n N",
+    "--devices": "-n N",
+}
+
+
+def fix_for_option(word: str) -> str:
+    name = word.split("=", 1)[0]
+    if name in OTHER_LAUNCHERS:
+        return (
+            f"{name} is another launcher's flag (Accelerate, mpirun, Lightning); ddpkit run "
+            f"says {OTHER_LAUNCHERS[name]}: see `ddpkit run --help`"
+        )
+    return "see `ddpkit run --help`; options go before the script name"
+
+
+def is_python(word: str) -> bool:
+    name = os.path.basename(word)
+    return name in ("python", "python3") or (
+        name.startswith("python3.") and name[len("python3.") :].isdigit()
+    )
+
+
+# what ddpkit run sets for each rank itself: a value in the launcher's own shell is replaced
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def environment_warnings(environ: Mapping[str, str]) -> list[str]:
+    """What in the launcher's own environment will not do what the user meant: a rank variable
+    ddpkit run replaces for every rank, a misspelt variable nothing reads."""
+    lines = [
+        f"{name}={environ[name]!r} is set in this shell; ddpkit run gives every rank its own "
+        f"{name}, so this one is ignored (unset {name})"
+        for name in RANK_VARIABLES
+        if name in environ
+    ]
+    lines += [
+        f"{name} is set and looks like a misspelling of {meant}: nothing reads it, so the "
+        f"setting has no effect (export {meant}={environ[name]!r}; unset {name})"
+        for name, meant in misspellings(environ)
+    ]
+    return lines
