@@ -11,12 +11,14 @@
 #   bash benchmarks/gpu.sh speed        # what step timing costs (GPT-2-small bf16; the CPU
 #                                       # demo's model), doctor's transport line
 #   bash benchmarks/gpu.sh shard        # bench ddp --shard (DDP against FSDP2) with --grow
+#   bash benchmarks/gpu.sh stopflag     # what reading s.stop_requested every step costs
+#                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
 #
 # Run from the repository root (the device tool does): ddpkit from the tree (PYTHONPATH=src).
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients | speed | shard"}
+MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients | speed | shard | stopflag"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -36,6 +38,19 @@ machine() {
 }
 
 case "$MODE" in
+stopflag)
+  machine
+  for batch in 4 8; do
+    if [ "$N" -ge 2 ]; then
+      timeout 250 python3 -m ddpkit run -n 2 benchmarks/stop_flag_cost.py --device cuda \
+        --model gpt --batch "$batch" --rounds 8 >"$OUT/stop_flag_b$batch.txt" 2>&1
+    else  # one GPU: the many-rank path forced on a group of one
+      timeout 250 python3 benchmarks/stop_flag_cost.py --device cuda --model gpt \
+        --batch "$batch" --rounds 8 --force >"$OUT/stop_flag_b$batch.txt" 2>&1
+    fi
+  done
+  grep -h -A3 "s.stop_requested every" "$OUT"/stop_flag_b*.txt | sed 's/^\[rank 0\] //'
+  ;;
 tests | faults)
   machine
   what=tests/gpu
