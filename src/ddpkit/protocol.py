@@ -32,7 +32,12 @@ BACKEND = "_DDPKIT_BACKEND"  # "gloo" when the launcher started CPU processes
 TRACK = "_DDPKIT_TRACK"  # "0": no per-collective records (benchmarks)
 RANK_PID = "_DDPKIT_RANK_PID"  # set by the bootstrap: its children are not the rank
 FRAMED = "_DDPKIT_FRAMED"  # "1": stdout and stderr share one pipe; frame sys.stderr's writes
-WORKER_VARIABLES = (JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID, FRAMED)
+# rank 0 of a one-node job: the launcher's listening socket (this fd number), on which rank 0
+# serves the job's TCPStore once torch.distributed is imported (ddpkit.store_server)
+STORE_FD = "_DDPKIT_STORE_FD"
+WORKER_VARIABLES = (
+    JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID, FRAMED, STORE_FD
+)  # fmt: skip
 
 
 def job_of(environ: Mapping[str, str]) -> str | None:

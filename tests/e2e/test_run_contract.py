@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -161,3 +163,19 @@ def test_without_restarts_the_same_failure_ends_the_job(tmp_path):
     assert job.finish(120) == 1
     assert "root cause: rank 1" in job.stderr
     assert time.monotonic() - started < bound(60)
+
+
+def test_a_one_node_launcher_imports_no_torch_and_rank_0_serves_the_store(tmp_path):
+    """Rank 0 serves the job's store on the socket the launcher binds (no race for the port),
+    so the launcher needs no torch: a third of a 2-rank job's CPU (benchmarks/job_cost.py)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ddpkit", "run", "-n", "3",
+         "--log-dir", str(tmp_path / "logs"), str(SCRIPTS / "world.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for rank in range(3):
+        assert f"rank {rank} of 3 sum 3" in out.stdout
+    launcher = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert launcher, "importtime's lines are the launcher's own (the ranks' are prefixed)"
+    assert not [line for line in launcher if " torch" in line], "the launcher imported torch"

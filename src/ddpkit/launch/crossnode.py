@@ -93,7 +93,8 @@ def next_round(cfg: LaunchConfig, node: NodeGroup) -> NodeGroup:
         kept = [*node.kept, node.server] if node.server is not None else node.kept
         return join_rdzv(cfg, node.rendezvous, kept)
     node.round += 1
-    _register(node, cfg, time.monotonic() + cfg.init_timeout)
+    if node.multi_node:  # one node has no one to meet (its rank 0 serves each round's store)
+        _register(node, cfg, time.monotonic() + cfg.init_timeout)
     return node
 
 

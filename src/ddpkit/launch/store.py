@@ -8,7 +8,8 @@ return in time raises `StoreUnreachableError`, and the client is dropped (its th
 blocked in the kernel; it is a daemon and holds nothing else). The next call connects afresh.
 
 `serve` starts a TCPStore server on a socket the launcher already holds (no race for the
-port); `connect` makes a client. Nothing here imports torch until a store is made.
+port; ddpkit.store_server, shared with rank 0, which serves a one-node job's store);
+`connect` makes a client. Nothing here imports torch until a store is made.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from ddpkit.store_server import serve_fd
 
 
 class StoreUnreachableError(Exception):
@@ -118,46 +121,9 @@ def connect(addr: str, port: int, timeout: float) -> Any:
 
 def serve(sock: socket.socket, addr: str, timeout: float) -> Any:
     """A TCPStore server on the listening socket the launcher holds; the socket is handed over."""
-    import torch.distributed as dist
-
     port = sock.getsockname()[1]
     fd = sock.detach()
-    # libuv's server takes a listening fd from torch 2.8 on (pytorch#150215); before, it logs
-    # an error first, so older torch goes straight to the legacy server. Each try gets a copy
-    # of the fd: a server that fails may have closed the one it was given.
-    for use_libuv in (True, False) if _torch_at_least(2, 8) else (False,):
-        attempt = os.dup(fd)
-        try:
-            server = dist.TCPStore(
-                addr,
-                port,
-                None,
-                True,
-                timedelta(seconds=timeout),
-                wait_for_workers=False,
-                master_listen_fd=attempt,
-                use_libuv=use_libuv,
-            )
-        except (RuntimeError, ValueError, TypeError, OSError):
-            # not closed here: the failed server may have closed it, and its number may be
-            # another file's by now (one descriptor left open, once, at worst)
-            continue
-        os.close(fd)
-        return server
-    os.close(fd)
-    from ddpkit.errors import LaunchError
-
-    raise LaunchError(
-        f"could not start the job's store on {addr}:{port}",
-        fix="pass --master-port with a free port",
-    )
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    import torch
-
     try:
-        have = tuple(int(p) for p in torch.__version__.split(".")[:2])
-    except ValueError:
-        return True
-    return have >= (major, minor)
+        return serve_fd(fd, addr, port, timeout)
+    finally:
+        os.close(fd)

@@ -157,8 +157,9 @@ def _run_attempt(
             env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
             workers.append(start_worker(cfg, rank, env, run_dir))
             _tell_watchdog(watchdog, f"group {workers[-1].pgid}")
-        # one node: the workers' connections wait till now
-        node.serve_store(cfg.init_timeout, stop=lambda: signals.count > 0)
+        if cfg.kind == "command":  # a program, not Python: its rank 0 cannot serve the store
+            # one node: the workers' connections wait till now
+            node.serve_store(cfg.init_timeout, stop=lambda: signals.count > 0)
         speed = SpeedWatch(
             workers,
             state_dir,

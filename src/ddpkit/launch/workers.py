@@ -114,6 +114,12 @@ def worker_env(
         # (a user's NCCL_DEBUG is theirs: then nothing is read; ddpkit.nccl_transport)
         env["NCCL_DEBUG"] = "INFO"
         env["NCCL_DEBUG_FILE"] = str(state_dir.parent / nccl_transport.LOG_PATTERN)
+    if node.held is not None and cfg.kind != "command":
+        # one node: rank 0 serves the store on the socket the launcher holds; every rank dials
+        # it as under plain torch (rank 0 the master), so the launcher needs no torch
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        if rank == 0:
+            env[protocol.STORE_FD] = str(node.held.fileno())
     if not cfg.track:
         env[protocol.TRACK] = "0"
     if cfg.check_collectives:
@@ -134,6 +140,7 @@ def start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Pat
         args.insert(0, f"{cfg.torchrun.local_rank_arg}={env['LOCAL_RANK']}")
     cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *args]
     reads_stdin = stdin_rank(cfg) == rank
+    store_fd = env.get(protocol.STORE_FD)
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -141,6 +148,7 @@ def start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Pat
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,  # one pipe: the order the rank printed in
         start_new_session=True,
+        pass_fds=(int(store_fd),) if store_fd else (),
     )
     local = int(env["LOCAL_RANK"])
     output = RankOutput(

@@ -103,8 +103,37 @@ class _ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return spec
 
 
+_store_server: Any = None  # the job's TCPStore, when this rank serves it (kept to the end)
+
+
+def serve_store() -> None:
+    """Rank 0 of a one-node job: serve the job's store on the launcher's listening socket, as
+    soon as torch.distributed is imported (the peers' connections wait in its backlog till
+    then). init_process_group and ddpkit.setup() find it by its port (multi-tenant)."""
+    global _store_server
+    fd = os.environ.pop(protocol.STORE_FD, None)
+    if fd is None or _store_server is not None:
+        return
+    from ddpkit.store_server import serve_fd
+
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    timeout = float(os.environ.get(protocol.INIT_TIMEOUT, "330"))
+    try:
+        _store_server = serve_fd(int(fd), "127.0.0.1", port, timeout, multi_tenant=True)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(int(fd))
+
+
 def patch_init(module: ModuleType) -> None:
-    """Mark when this rank enters and leaves init_process_group; record its collectives."""
+    """Serve the job's store (rank 0 of one node); mark when this rank enters and leaves
+    init_process_group; record its collectives."""
+    try:
+        serve_store()
+    except Exception as err:  # the peers then time out at init, and the report says why
+        from ddpkit.errors import debug_note
+
+        debug_note("serving the job's store", err)
     original = module.init_process_group
 
     @functools.wraps(original)
@@ -311,6 +340,10 @@ def dump_stacks_on_signal() -> None:
 def main(argv: list[str]) -> None:
     kind, target, *args = argv
     tie_to_launcher()
+    store_fd = os.environ.get(protocol.STORE_FD)
+    if store_fd:  # the rank's own children (loader workers, subprocesses) never get it
+        with contextlib.suppress(OSError, ValueError):
+            os.set_inheritable(int(store_fd), False)
     os.environ[protocol.RANK_PID] = str(os.getpid())  # children inherit it: "not the rank"
     set_phase("started")
     if kind == "command":
