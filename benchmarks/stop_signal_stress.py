@@ -37,7 +37,7 @@ def one_run(ranks: int, sig: int, delay: float, folder: Path) -> tuple[bool, str
     with out.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
-        while "step 20" not in out.read_text() and time.monotonic() < deadline:
+        while "step 20 " not in out.read_text() and time.monotonic() < deadline:
             if proc.poll() is not None:
                 return False, "ended before step 20:\n" + out.read_text()[-2000:], 0.0
             time.sleep(0.02)

@@ -22,7 +22,7 @@ def stop_once(tmp_path, sig: int, delay: float, ranks: int = 3) -> tuple[int, st
     """One job stopped by `sig` `delay` s after every rank first read s.stop_requested:
     (exit code, output, seconds from the signal to the last process gone)."""
     job = start(["-n", str(ranks), SCRIPT, str(tmp_path / "state")], tmp_path)
-    job.wait_for("step 20", timeout=bound(120))  # past the first read on every rank
+    job.wait_for("step 20 ", timeout=bound(120))  # past the first read on every rank
     time.sleep(delay)
     os.kill(job.proc.pid, sig)
     took = gone_within(job, bound(30))

@@ -225,15 +225,27 @@ def collect(
     hung=False reads a live job (`ddpkit stacks`): a rank in backward computes there; a set
     names the ranks that are known to wait."""
     alive = {w.rank: w.proc.pid for w in workers if w.exit_code is None}
-    texts = dump_stacks(alive, state_dir, stop=stop)  # stop: a signal cuts the waits short
-    served = [r for r in alive if flight.ready_file(state_dir, r).exists()]
+    states = {
+        w.rank: process_state(w.proc.pid, protocol.read_record(state_dir, w.rank))
+        for w in workers
+        if w.rank in alive
+    }
+    # a stopped rank answers nothing, and one stuck holding the GIL only faulthandler's (C)
+    # stack request: nobody waits for answers that cannot come
+    answering = {r: pid for r, pid in alive.items() if not _stopped(states[r])}
+    texts = dump_stacks(answering, state_dir, stop=stop)  # stop: a signal cuts the waits short
+    served = [
+        r
+        for r in answering
+        if flight.ready_file(state_dir, r).exists() and not (states[r] or "").startswith("holds")
+    ]
     recorded = flight.request(served, state_dir, stop=stop) if served and not stop() else {}
     places, details = {}, []
     for w in workers:
         record = protocol.read_record(state_dir, w.rank)
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
         in_flight = flight.pending(recorded[w.rank]) if w.rank in recorded else None
-        state = process_state(w.proc.pid, record) if w.exit_code is None else None
+        state = states.get(w.rank)
         waits = hung if isinstance(hung, bool) else w.rank in hung
         places[w.rank] = where(frames, record, w.exit_code, in_flight, waits, state)
         what, site = places[w.rank]
@@ -256,8 +268,10 @@ def collect(
                 f"    flight recorder: {line}" for line in flight.summarize(recorded[w.rank])
             )
         if w.rank in alive and w.rank not in texts:
-            why = " (it is stopped: a stopped process runs no handler)" if state else ""
-            details.append(f"    (no stack: the rank did not answer the stack request{why})")
+            why = "it is stopped: a stopped process runs no handler" if _stopped(state) else ""
+            details.append(
+                f"    (no stack: {why})" if why else "    (no stack: the rank did not answer)"
+            )
     return places, "\n".join(details)
 
 
@@ -273,6 +287,10 @@ def describe(
     if not hung:
         return verdict(places), details
     return f"no rank made progress for {stall:.0f} s: {verdict(places)}", details
+
+
+def _stopped(state: str | None) -> bool:
+    return state is not None and state.startswith("is stopped")
 
 
 def process_state(pid: int, record: protocol.Record | None) -> str | None:
