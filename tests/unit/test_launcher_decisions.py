@@ -45,7 +45,10 @@ def test_a_stop_signal_outranks_every_other_observation():
     flags = ["console_closed", "other_node_said", "node_lost", "hung", "missing_at_init"]
     for values in itertools.product([False, True], repeat=len(flags)):
         seen = Observation(
-            signal=signal.SIGTERM, failed=(1,), running=(0,), **dict(zip(flags, values))
+            signal=signal.SIGTERM,
+            failed=(1,),
+            running=(0,),
+            **dict(zip(flags, values, strict=True)),
         )
         assert decide(seen) == Verdict.INTERRUPTED
 
@@ -53,7 +56,7 @@ def test_a_stop_signal_outranks_every_other_observation():
 def test_nothing_but_a_signal_outranks_a_failed_rank():
     flags = ["console_closed", "other_node_said", "node_lost", "hung", "missing_at_init"]
     for values in itertools.product([False, True], repeat=len(flags)):
-        seen = Observation(failed=(1,), running=(0,), **dict(zip(flags, values)))
+        seen = Observation(failed=(1,), running=(0,), **dict(zip(flags, values, strict=True)))
         assert decide(seen) == Verdict.RANK_FAILED
 
 
