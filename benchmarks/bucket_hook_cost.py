@@ -1,7 +1,7 @@
-"""What ddpkit's DDP communication hook costs (ddpkit.bucket_layout: the first step summed in the
-layout DDP rebuilds to, then torch's allreduce_hook per bucket): a hand-written DDP against the
-same DDP with the hook, blocks of steps interleaved in one job, each block timed end to end
-(synchronised), medians. GPT-2-small shape, bf16, AdamW, s.wrap's bucket size.
+"""What ddpkit's DDP communication hook costs (ddpkit.train.bucket_layout: the first step
+summed in the layout DDP rebuilds to, then torch's allreduce_hook per bucket): a hand-written
+DDP against the same DDP with the hook, blocks of steps interleaved in one job, each block
+timed end to end (synchronised), medians. GPT-2-small shape, bf16, AdamW, s.wrap's bucket size.
 
     ddpkit run -n gpu benchmarks/bucket_hook_cost.py     # every GPU; one GPU: DDP of one rank
 
@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
-from ddpkit import bucket_layout
 from ddpkit.bench.models import gpt
+from ddpkit.train import bucket_layout
 
 
 def block(model, opt, x, y, steps: int) -> float:

@@ -21,8 +21,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import ddpkit
-from ddpkit import sharding
 from ddpkit.bench.models import gpt
+from ddpkit.train import sharding
 
 VARIANTS = {
     # name: (shard, mixed-precision policy, fused AdamW)

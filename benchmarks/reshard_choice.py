@@ -29,7 +29,7 @@ def shard(model: nn.Module, s, choice) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ddpkit.sharding import units
+    from ddpkit.train.sharding import units
 
     mesh = init_device_mesh("cuda", (s.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

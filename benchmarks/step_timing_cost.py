@@ -127,7 +127,7 @@ def main() -> None:
             (on if timed_now else off).append(took)
             if remove is not None:
                 remove()
-    from ddpkit import protocol
+    from ddpkit.common import protocol
 
     timed = protocol.read_steps(record.parent, 0)
     t_off, t_on = statistics.median(off), statistics.median(on)

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ddpkit.procs import is_alive, processes_of_job
+from ddpkit.common.procs import is_alive, processes_of_job
 
 SCRIPT = Path(__file__).parents[1] / "tests" / "e2e" / "scripts" / "stops_cleanly.py"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

@@ -17,18 +17,18 @@ from ddpkit.errors import DdpkitError
 
 if TYPE_CHECKING:
     from ddpkit.env import DistEnv, read_env  # noqa: F401
-    from ddpkit.seeding import seed_everything  # noqa: F401
-    from ddpkit.session import Session, Step, setup  # noqa: F401
-    from ddpkit.wrapping import unwrap  # noqa: F401
+    from ddpkit.train.seeding import seed_everything  # noqa: F401
+    from ddpkit.train.session import Session, Step, setup  # noqa: F401
+    from ddpkit.train.wrapping import unwrap  # noqa: F401
 
 _LAZY = {
-    "setup": "ddpkit.session",
-    "unwrap": "ddpkit.wrapping",
-    "Session": "ddpkit.session",
-    "Step": "ddpkit.session",
+    "setup": "ddpkit.train.session",
+    "unwrap": "ddpkit.train.wrapping",
+    "Session": "ddpkit.train.session",
+    "Step": "ddpkit.train.session",
     "DistEnv": "ddpkit.env",
     "read_env": "ddpkit.env",
-    "seed_everything": "ddpkit.seeding",
+    "seed_everything": "ddpkit.train.seeding",
 }
 
 __all__ = ["DdpkitError", "__version__", *_LAZY]

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 from ddpkit.errors import EnvError
 
 Launcher = Literal["ddpkit", "torchrun", "env", "slurm", "mpi", "none"]

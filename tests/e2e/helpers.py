@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from ddpkit.procs import is_alive, processes_of_job
+from ddpkit.common.procs import is_alive, processes_of_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
 # every wall-clock bound in the tests is scaled by this (a slower machine: DDPKIT_TEST_SLOW=2)

@@ -50,7 +50,7 @@ def test_a_rank_holding_the_gil_in_c_code_is_caught_and_placed(tmp_path, stuck):
 
 def rank_pid(run_id: str, rank: int, timeout: float = 30) -> int:
     """The pid of a rank of a running job (its bootstrap process)."""
-    from ddpkit.procs import processes_of_job
+    from ddpkit.common.procs import processes_of_job
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

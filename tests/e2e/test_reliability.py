@@ -168,7 +168,7 @@ def test_save_on_a_full_disk_fails_on_every_rank_and_leaves_no_temporary_file(tm
 
 
 def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
-    import ddpkit.checkpoint as checkpoint
+    import ddpkit.train.checkpoint as checkpoint
 
     stale = tmp_path / ".ckpt.pt.abc123.tmp"
     stale.write_bytes(b"x" * 1000)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.sharding import NEEDS_ON_GLOO, torch_version
+from ddpkit.train.sharding import NEEDS_ON_GLOO, torch_version
 from tests.e2e.helpers import SCRIPTS, start
 
 pytestmark = [

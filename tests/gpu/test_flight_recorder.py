@@ -19,7 +19,7 @@ pytestmark = [
 DUMP = """import os, pickle, torch, torch.distributed as dist
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 import ddpkit
-from ddpkit.launch import flight
+from ddpkit.launch.hang import flight
 from ddpkit.rank.flight import dump
 s = ddpkit.setup()
 for _ in range(3):

@@ -1,6 +1,6 @@
 """Sharding (FSDP2) on NCCL with the GPUs at hand. With one GPU `s.wrap(shard=True)` returns the
 model itself (nothing to shard), so FSDP2 runs on a mesh of that one GPU, forced through
-ddpkit.sharding: its all-gathers and reduce-scatters go through NCCL, its checkpoints through
+ddpkit.train.sharding: its all-gathers and reduce-scatters go through NCCL, its checkpoints through
 torch.distributed.checkpoint; with two or more GPUs every rank holds 1/N. Each case is checked
 against the plain model, never against itself."""
 
@@ -21,7 +21,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 SCRIPT = """import sys, torch
 from torch import nn
 import ddpkit
-from ddpkit import sharding
+from ddpkit.train import sharding
 
 def model():
     torch.manual_seed(0)

@@ -104,7 +104,7 @@ def test_graphed_steps_are_timed_and_the_capture_is_not_disturbed(tmp_path):
     job = start(["-n", str(GPUS), str(tmp_path / "graphed.py")], tmp_path)
     assert job.finish(200) == 0, job.stderr
     assert "[rank 0] done" in job.stdout
-    from ddpkit import protocol
+    from ddpkit.common import protocol
 
     record = protocol.read_steps(job.log_dir / job.run_id / "state0", 0)
     assert record is not None

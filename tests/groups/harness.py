@@ -24,7 +24,13 @@ from typing import Any
 
 import psutil
 
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "ddpkit.session"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "ddpkit.train.session",
+]
 _ctx = None
 
 

@@ -1,7 +1,8 @@
-"""DDP's first step in a process sums gradients as every later step does (ddpkit.bucket_layout),
-on real gloo groups of 3 and 4 ranks, where a sum's order shows in its last bits: a fresh DDP
-made from a checkpoint (a resume) gives bit for bit the gradients of the DDP that never
-stopped, with s.wrap and with a DDP the script built itself and gave to s.load_state."""
+"""DDP's first step in a process sums gradients as every later step does
+(ddpkit.train.bucket_layout), on real gloo groups of 3 and 4 ranks, where a sum's order shows in
+its last bits: a fresh DDP made from a checkpoint (a resume) gives bit for bit the gradients of
+the DDP that never stopped, with s.wrap and with a DDP the script built itself and gave to
+s.load_state."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddpkit.launch import flight
+from ddpkit.launch.hang import flight
 from tests.groups.harness import run_ranks
 
 torch = pytest.importorskip("torch")
@@ -25,7 +25,7 @@ def _dumps(rank, world, tmp):
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.launch import flight
+    from ddpkit.launch.hang import flight
     from ddpkit.rank.flight import dump
 
     with ddpkit.setup() as s:
@@ -73,7 +73,7 @@ def test_the_status_poll_carries_progress_without_the_collectives(tmp_path):
 
 
 def test_a_collective_enqueued_but_not_completed_is_pending():
-    from ddpkit.launch.flight import progress_state
+    from ddpkit.launch.hang.flight import progress_state
 
     status = {
         "pg_status": {
@@ -90,7 +90,7 @@ def _served(rank, world, tmp):
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.launch import flight
+    from ddpkit.launch.hang import flight
     from ddpkit.rank import flight as rank_flight
 
     with ddpkit.setup() as s:
@@ -126,7 +126,7 @@ def _report_during_a_poll(rank, world, tmp):
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.launch import flight
+    from ddpkit.launch.hang import flight
     from ddpkit.rank import flight as rank_flight
 
     with ddpkit.setup() as s:

@@ -361,7 +361,7 @@ def test_wrap_refuses_bf16_compression_on_gloo_with_the_fix(tmp_path):
 def test_wrap_compile_returns_a_compiled_model_that_unwrap_sees_through():
     import ddpkit
     from ddpkit.env import DistEnv
-    from ddpkit.session import Session
+    from ddpkit.train.session import Session
 
     s = Session(DistEnv(), "gloo", torch.device("cpu"), 0, owns_group=False)
     inner = nn.Linear(2, 2)
@@ -377,7 +377,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
 
     import psutil
 
-    from ddpkit.checkpoint import read, write_atomic
+    from ddpkit.train.checkpoint import read, write_atomic
 
     path = tmp_path / "ckpt.pt"
     write_atomic({"step": 1}, path)
@@ -387,7 +387,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
             "-c",
             (
                 "import torch, sys\n"
-                "from ddpkit.checkpoint import write_atomic\n"
+                "from ddpkit.train.checkpoint import write_atomic\n"
                 "write_atomic({'step': 2, 'w': torch.ones(400 * 2**20 // 4)}, sys.argv[1])\n"
             ),
             str(path),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.sharding import NEEDS_ON_GLOO, torch_version
+from ddpkit.train.sharding import NEEDS_ON_GLOO, torch_version
 from tests.groups.harness import run_ranks
 
 pytestmark = pytest.mark.skipif(

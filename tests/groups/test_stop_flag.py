@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from ddpkit.stopping import MAX_GAP
+from ddpkit.train.stopping import MAX_GAP
 from tests.groups.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,7 +25,7 @@ def _stopped_at_random_moments(rank, world, tmp, trials, reads_per_step):
     import torch
     import torch.distributed as dist
 
-    from ddpkit.stopping import MAX_GAP, StopFlag  # noqa: F811 - in the rank's process
+    from ddpkit.train.stopping import MAX_GAP, StopFlag  # noqa: F811 - in the rank's process
 
     dist.init_process_group("gloo")
     param = torch.nn.Parameter(torch.zeros(4))

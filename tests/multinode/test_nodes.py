@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.procs import is_alive, processes_of_job
+from ddpkit.common.procs import is_alive, processes_of_job
 from tests.e2e.helpers import bound
 from tests.multinode.cluster import Cluster, Proc, available
 

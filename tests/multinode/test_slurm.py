@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from ddpkit.procs import is_alive
+from ddpkit.common.procs import is_alive
 from tests.multinode import cluster as netns
 from tests.multinode import slurm
 from tests.multinode.test_nodes import SCRIPT, assert_quiet

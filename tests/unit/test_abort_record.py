@@ -3,7 +3,7 @@ a stranger who can reach the store cannot stop the job with it."""
 
 from __future__ import annotations
 
-from ddpkit.launch.liveness import Abort
+from ddpkit.launch.peers.liveness import Abort
 
 ABORT = Abort(1, "node 1 (node1): rank 3 exited with code 3", 1, restart=False)
 

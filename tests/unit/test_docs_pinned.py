@@ -41,7 +41,7 @@ def test_documented_defaults_are_the_codes():
 
 
 def test_the_documented_liveness_constants_are_the_codes():
-    from ddpkit.launch import liveness, nodes
+    from ddpkit.launch.peers import liveness, nodes
 
     text = (DOCS / "launcher.md").read_text()
     assert f"| beat | {liveness.BEAT:g} s |" in text

@@ -6,8 +6,9 @@ import socket
 
 import pytest
 
+from ddpkit.common.network import infiniband_devices
 from ddpkit.doctor import checks, script
-from ddpkit.doctor.facts import Facts, Gpu, infiniband_devices, shm_size, watched
+from ddpkit.doctor.facts import Facts, Gpu, shm_size, watched
 
 
 def findings(facts: Facts | None = None, **env: str) -> list[checks.Finding]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from ddpkit import frames, protocol
-from ddpkit.launch.places import Frame, main_thread, parse_threads, user_frames, verdict, where
+from ddpkit.common import frames, protocol
+from ddpkit.launch.hang.places import Frame, main_thread, parse_threads, user_frames, verdict, where
 
 # Library frames are where torch, ddpkit and Python really are on this machine.
 C10D = frames._torch_dir() + "distributed/distributed_c10d.py"
@@ -111,7 +111,7 @@ def test_the_verdict_groups_ranks_largest_group_first():
 
 
 def test_flight_recorder_progress_reads_completed_and_pending_sequence_numbers():
-    from ddpkit.launch.flight import pending, progress_state
+    from ddpkit.launch.hang.flight import pending, progress_state
 
     dump = {
         "entries": [

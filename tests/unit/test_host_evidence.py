@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.launch.evidence import part_on
+from ddpkit.launch.speed.evidence import part_on
 
 
 def test_a_process_pinned_to_the_ranks_core_is_charged_all_its_time():

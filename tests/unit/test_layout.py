@@ -1,37 +1,80 @@
-"""The house's layout as a fact: the launcher and the rank side meet only in ddpkit.protocol
-(and the torch-free shared modules), never import each other, and no module grows past 500
-lines."""
+"""The house's layout as a fact: the layers in the tree and who may import whom.
+
+    common/   torch-free code both sides share (never imports torch at import time, nor any
+              layer above it)
+    train/    the library a script imports (torch); may use common/ and rank/ (what it tells
+              the launcher goes through rank/)
+    rank/     the worker's bootstrap and records; never imports launch/
+    launch/   the launcher; never imports rank/, train/ or doctor/ (it meets the ranks only
+              through common/protocol.py)
+
+At the package root only the public modules: `ddpkit` itself, `ddpkit.errors`, `ddpkit.env`.
+No module grows past 500 lines."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).parents[2] / "src" / "ddpkit"
 
 
-def imports_of(folder: str) -> dict[str, set[str]]:
+def imports_of(folder: str, top_level_only: bool = False) -> dict[str, set[str]]:
+    """Every module's imports (by file, relative to the folder), recursively."""
     found = {}
-    for path in (SRC / folder).glob("*.py"):
+    for path in (SRC / folder).rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        nodes = tree.body if top_level_only else list(ast.walk(tree))
         names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in nodes:
             if isinstance(node, ast.ImportFrom) and node.module:
                 names.add(node.module)
                 names |= {f"{node.module}.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
                 names |= {a.name for a in node.names}
-        found[path.name] = names
+        found[str(path.relative_to(SRC / folder))] = names
     return found
 
 
-def test_the_launcher_never_imports_the_rank_side():
-    for module, names in imports_of("launch").items():
-        assert not [n for n in names if n.startswith("ddpkit.rank")], module
+def offenders(folder: str, forbidden: tuple[str, ...], top_level_only: bool = False) -> dict:
+    return {
+        module: bad
+        for module, names in imports_of(folder, top_level_only).items()
+        if (bad := sorted(n for n in names if n.startswith(forbidden)))
+    }
+
+
+def test_the_launcher_never_imports_the_rank_side_the_training_library_or_the_doctor():
+    assert not offenders("launch", ("ddpkit.rank", "ddpkit.train", "ddpkit.doctor"))
 
 
 def test_the_rank_side_never_imports_the_launcher():
-    for module, names in imports_of("rank").items():
-        assert not [n for n in names if n.startswith("ddpkit.launch")], module
+    assert not offenders("rank", ("ddpkit.launch",))
+
+
+def test_common_code_imports_no_layer_above_it_and_no_torch_at_import_time():
+    above = ("ddpkit.launch", "ddpkit.rank", "ddpkit.train", "ddpkit.cli", "ddpkit.doctor")
+    assert not offenders("common", above)
+    assert not offenders("common", ("torch",), top_level_only=True)
+
+
+def test_importing_every_common_module_leaves_torch_unimported():
+    modules = [f"ddpkit.common.{p.stem}" for p in (SRC / "common").glob("*.py")]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules)
+    code += "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_training_library_tells_the_launcher_things_only_through_the_rank_side():
+    assert not offenders("train", ("ddpkit.launch",))
+
+
+def test_the_package_root_holds_only_the_public_modules():
+    root = {p.name for p in SRC.glob("*.py")}
+    assert root == {"__init__.py", "__main__.py", "_version.py", "errors.py", "env.py"}
 
 
 def test_no_module_is_longer_than_500_lines():

@@ -12,9 +12,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ddpkit.launch.liveness import BEAT, Abort, Liveness
-from ddpkit.launch.nodes import NodeGroup
-from ddpkit.launch.store import BoundedStore
+from ddpkit.launch.peers.liveness import BEAT, Abort, Liveness
+from ddpkit.launch.peers.nodes import NodeGroup
+from ddpkit.launch.peers.store import BoundedStore
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = 2.0
@@ -24,7 +24,7 @@ HOSTS = ["alpha", "beta"]
 @pytest.fixture
 def server():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
-    for node in range(len(HOSTS)):  # as registration leaves them (ddpkit.launch.nodes)
+    for node in range(len(HOSTS)):  # as registration leaves them (ddpkit.launch.peers.nodes)
         for counter in ("beat", "progress", "done"):
             store.add(f"job/{counter}/{node}", 0)
     yield store

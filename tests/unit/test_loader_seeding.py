@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import ddpkit
-from ddpkit import protocol
+from ddpkit.common import protocol
 from ddpkit.rank import steps
 
 

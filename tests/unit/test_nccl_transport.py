@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ddpkit.nccl_transport import parse, read, warnings
+from ddpkit.common.nccl_transport import parse, read, warnings
 
 DATA = Path(__file__).parents[1] / "data" / "nccl"
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import sharding
 from ddpkit.errors import ConfigError
+from ddpkit.train import sharding
 
 
 class Block(nn.Module):

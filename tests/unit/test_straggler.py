@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit import protocol
-from ddpkit.launch.straggler import SUSTAIN, Episodes, RankSummary, find
+from ddpkit.common import protocol
+from ddpkit.launch.speed.straggler import SUSTAIN, Episodes, RankSummary, find
 
 
 def rank(r: int, data=0.002, compute=0.030, comm=0.010, other=0.0, steps=50) -> RankSummary:

@@ -1,5 +1,5 @@
 """The launcher's decisions from the state files ranks write (real files in a real folder, in
-the formats of ddpkit.protocol): which rank is the root cause, who never reached init, which
+the formats of ddpkit.common.protocol): which rank is the root cause, who never reached init, which
 rank counts as failed while it is still tearing down, when a job starts again, and when a
 failure is another node's. The same decisions end to end are in tests/e2e."""
 
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 from ddpkit.launch import config, report, supervisor
-from ddpkit.launch.liveness import Abort, Liveness
-from ddpkit.launch.nodes import NodeGroup
+from ddpkit.launch.peers.liveness import Abort, Liveness
+from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.workers import Signals, Worker
 
 

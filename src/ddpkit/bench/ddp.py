@@ -15,8 +15,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from ddpkit.common.gpus import visible_gpu_count
 from ddpkit.errors import ConfigError, LaunchError
-from ddpkit.gpus import visible_gpu_count
 
 BOUND = 600  # seconds one GPU count may take
 HOST_BOUND = 0.9  # below this GPU-busy fraction of the step, say the host sets the pace

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import sharding
 from ddpkit.bench.models import gpt
+from ddpkit.train import sharding
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.bench import collectives, table
 from ddpkit.bench.options import BenchConfig
-from ddpkit.gpus import link_peak
+from ddpkit.common.gpus import link_peak
 
 WRONG_EXIT = 7
 

@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
+    from ddpkit.common.procs import is_alive, list_training_processes, processes_of_job, terminate
     from ddpkit.errors import ConfigError
-    from ddpkit.procs import is_alive, list_training_processes, processes_of_job, terminate
 
     if not 0 <= args.grace <= 3600:
         raise ConfigError(f"--grace {args.grace} is not 0 to 3600 seconds", fix="e.g. --grace 5")

@@ -24,7 +24,7 @@ def _age(seconds: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.procs import list_training_processes
+    from ddpkit.common.procs import list_training_processes
 
     found = list_training_processes()
     if args.json:

@@ -21,9 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
-    from ddpkit import protocol
-    from ddpkit.launch import places
-    from ddpkit.procs import job_workers
+    from ddpkit.common import protocol
+    from ddpkit.common.procs import job_workers
+    from ddpkit.launch.hang import places
 
     _, mine = job_workers(args.job, "stacks")
     by_dir: dict[str, list[SimpleNamespace]] = {}

@@ -61,8 +61,8 @@ def find_run(job: str | None) -> tuple[str, Path]:
     """The job (named, or the only one) and its run folder on this machine."""
     import psutil
 
-    from ddpkit import protocol
-    from ddpkit.procs import job_workers
+    from ddpkit.common import protocol
+    from ddpkit.common.procs import job_workers
 
     job, mine = job_workers(job, "top")
     for p in mine:

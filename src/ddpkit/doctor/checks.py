@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ddpkit.common.spelling import misspellings
 from ddpkit.doctor.facts import Facts
 from ddpkit.env import check_gpu_fit, read_env
 from ddpkit.errors import EnvError
-from ddpkit.spelling import misspellings
 
 LEVELS = ("error", "warning", "info")
 

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddpkit.common.network import infiniband_devices
 from ddpkit.errors import debug_note
 
 WATCHED_PREFIXES = (
@@ -114,13 +115,6 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def infiniband_devices(root: str = "/sys/class/infiniband") -> list[str]:
-    try:
-        return sorted(os.listdir(root))
-    except OSError:
-        return []
-
-
 def interfaces() -> dict[str, list[str]]:
     import socket
 
@@ -145,7 +139,7 @@ def _os_name() -> str:
 
 
 def _nvml(facts: Facts) -> None:
-    from ddpkit.gpus import NVLINK, nvml
+    from ddpkit.common.gpus import NVLINK, nvml
 
     with nvml() as pynvml:
         if pynvml is None:

@@ -68,14 +68,14 @@ def timed_all_reduce(s: ddpkit.Session, size: int) -> tuple[float, float]:
 
 def node_facts(backend: str) -> dict[str, object]:
     """What must match across nodes, and how this node reaches node 0."""
-    from ddpkit.network import address_toward, interface_of
+    from ddpkit.common.network import address_toward, interface_of
 
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     address = address_toward(master)
     nccl = None
     if backend == "nccl":
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    from ddpkit.gpus import nvml
+    from ddpkit.common.gpus import nvml
 
     driver = None
     with nvml() as pynvml:

@@ -12,7 +12,7 @@ import re
 import signal
 from pathlib import Path
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 
 # signals after which faulthandler has written the rank's stack to its fault file
 FATAL = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
@@ -47,7 +47,7 @@ def error_site(error: protocol.ErrorRecord) -> str:
 
 def _user_site(trace: str) -> str:
     """The innermost frame of a traceback's text outside torch, ddpkit and Python."""
-    from ddpkit.frames import is_library
+    from ddpkit.common.frames import is_library
 
     frames = [m for m in _TB_FRAME.findall(trace) if not is_library(m[0])]
     if not frames:
@@ -68,7 +68,7 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 def fault_site(state_dir: Path, rank: int) -> str:
     """Where a rank that died of a fatal signal was: 'crash.py:12 in <module>' (faulthandler's
     dump of its main thread), or ''."""
-    from ddpkit.launch.places import code_site, main_thread, parse_threads, user_frames
+    from ddpkit.launch.hang.places import code_site, main_thread, parse_threads, user_frames
 
     try:
         text = protocol.state_path(state_dir, rank, protocol.FAULT).read_text(errors="replace")

@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from ddpkit.common.gpus import visible_gpu_count
 from ddpkit.env import LOOPBACK, _int, slurm_hosts, slurm_port
 from ddpkit.errors import ConfigError
-from ddpkit.gpus import visible_gpu_count
 from ddpkit.launch import torchrun_flags, values
 from ddpkit.launch.mistakes import fix_for_option, is_python
 from ddpkit.launch.torchrun_flags import TorchrunOptions

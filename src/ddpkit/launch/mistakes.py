@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ddpkit.spelling import misspellings
+from ddpkit.common.spelling import misspellings
 
 # other launchers' flags, with ddpkit's (or torchrun's) way to say the same
 OTHER_LAUNCHERS = {

@@ -1,8 +1,8 @@
 """Worker output: one ordered stream per rank, to its log and to the console.
 
 Each worker writes stdout and stderr into one pipe, so what it printed arrives in the order it
-printed it; Python-level stderr is framed (`ddpkit.protocol.ERR_START`/`ERR_END`, written by the
-rank's bootstrap) so the launcher can still send it to its own stderr. Writes to file
+printed it; Python-level stderr is framed (`ddpkit.common.protocol.ERR_START`/`ERR_END`,
+written by the rank's bootstrap) so the launcher can still send it to its own stderr. Writes to file
 descriptor 2 from C code or from subprocesses arrive unframed, in order, with stdout.
 
 Every byte goes to the rank's log, as the rank wrote it. The console gets each line with a
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ddpkit.common.protocol import ERR_END, ERR_START
 from ddpkit.launch.rundir import open_private
-from ddpkit.protocol import ERR_END, ERR_START
 
 TAIL_LINES = 30
 TAIL_LINE_BYTES = 4096  # the report keeps at most this much of one line

@@ -40,7 +40,7 @@ def port_holder(port: int) -> tuple[str, bool]:
     try:
         import psutil
 
-        from ddpkit.procs import list_training_processes
+        from ddpkit.common.procs import list_training_processes
 
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:

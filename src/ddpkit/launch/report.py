@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit import protocol
+from ddpkit.common import protocol
+from ddpkit.common.ranges import ranks_text
 from ddpkit.launch import causes
 from ddpkit.launch.causes import short
 from ddpkit.launch.rundir import open_private
-from ddpkit.ranges import ranks_text
 
 HANG_EXIT_CODE = 124  # as GNU timeout's
 

@@ -20,16 +20,20 @@ import sys
 import time
 from pathlib import Path
 
-from ddpkit import protocol
+from ddpkit.common import protocol
+from ddpkit.common.ranges import ranks_text
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import blame, causes, crossnode, hang, report, rundir
-from ddpkit.launch import places as rank_places
+from ddpkit.launch import causes, report, rundir
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.hang import HANG_EXIT_CODE
-from ddpkit.launch.liveness import BEAT, Abort, Liveness
-from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup, join
+from ddpkit.launch.hang import blame
+from ddpkit.launch.hang import places as rank_places
+from ddpkit.launch.hang import watch as hang
+from ddpkit.launch.hang.watch import HANG_EXIT_CODE
 from ddpkit.launch.output import CONSOLE
-from ddpkit.launch.speed import SpeedWatch
+from ddpkit.launch.peers import crossnode
+from ddpkit.launch.peers.liveness import BEAT, Abort, Liveness
+from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup, join
+from ddpkit.launch.speed.watch import SpeedWatch
 from ddpkit.launch.workers import (
     FORWARDED,
     QUIETED,
@@ -40,7 +44,6 @@ from ddpkit.launch.workers import (
     stop_workers,
     worker_env,
 )
-from ddpkit.ranges import ranks_text
 
 PR_SET_CHILD_SUBREAPER = 36
 POLL = 0.05

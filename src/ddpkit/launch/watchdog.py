@@ -23,7 +23,7 @@ def main(run_id: str, grace: float, launcher_pid: int) -> int:
             groups.append(int(value))
         elif word == "done":
             return 0
-    from ddpkit.procs import processes_of_job, terminate
+    from ddpkit.common.procs import processes_of_job, terminate
 
     terminate(processes_of_job(run_id, launcher_pid), grace, groups=groups)
     return 0

@@ -17,10 +17,10 @@ from typing import Any
 
 import psutil
 
-from ddpkit import nccl_transport, procs, protocol
+from ddpkit.common import nccl_transport, procs, protocol
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.nodes import NodeGroup
 from ddpkit.launch.output import RankOutput
+from ddpkit.launch.peers.nodes import NodeGroup
 
 QUIETED = "_DDPKIT_QUIETED_TORCH"  # the launcher set TORCH_CPP_LOG_LEVEL for itself only
 GRACEFUL_WAIT = 120.0  # seconds ranks that read s.stop_requested get to save after a signal
@@ -111,7 +111,7 @@ def worker_env(
         env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
     if cfg.backend != "gloo" and "NCCL_DEBUG" not in env:
         # NCCL's own log of the transports it chose, into the run folder, never the console
-        # (a user's NCCL_DEBUG is theirs: then nothing is read; ddpkit.nccl_transport)
+        # (a user's NCCL_DEBUG is theirs: then nothing is read; ddpkit.common.nccl_transport)
         env["NCCL_DEBUG"] = "INFO"
         env["NCCL_DEBUG_FILE"] = str(state_dir.parent / nccl_transport.LOG_PATTERN)
     if node.held is not None and cfg.kind != "command":

@@ -33,8 +33,8 @@ import zipfile
 from types import ModuleType, TracebackType
 from typing import Any
 
-from ddpkit import protocol
-from ddpkit.frames import is_library
+from ddpkit.common import protocol
+from ddpkit.common.frames import is_library
 from ddpkit.rank.steps import waited_in_collective
 
 PR_SET_PDEATHSIG = 1
@@ -114,7 +114,7 @@ def serve_store() -> None:
     fd = os.environ.pop(protocol.STORE_FD, None)
     if fd is None or _store_server is not None:
         return
-    from ddpkit.store_server import serve_fd
+    from ddpkit.common.store_server import serve_fd
 
     port = int(os.environ.get("MASTER_PORT", "0"))
     timeout = float(os.environ.get(protocol.INIT_TIMEOUT, "330"))

@@ -2,7 +2,7 @@
 
 PyTorch keeps a ring buffer of recent collectives per process group when TORCH_FR_BUFFER_SIZE
 > 0 (ddpkit run sets 2000 unless set). `serve` starts a daemon thread once the rank's process
-group exists; it writes a dump when the launcher drops a request file (`ddpkit.protocol`).
+group exists; it writes a dump when the launcher drops a request file (`ddpkit.common.protocol`).
 Which recorder holds this group's entries depends on the torch build: a CUDA build keeps NCCL's
 in `_dump_nccl_trace` and gloo's in `_dump_fr_trace`; a CPU build has only the latter. The dump
 taken is the one that knows this process's groups.
@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 
 RECORDERS = ("_dump_fr_trace", "_dump_nccl_trace")
 

@@ -1,4 +1,4 @@
-"""This rank's progress record (the format is `ddpkit.protocol.Record`): written by the
+"""This rank's progress record (the format is `ddpkit.common.protocol.Record`): written by the
 bootstrap's collective wrappers and beaten by ddpkit's helpers, read by the launcher's hang
 watch. Outside a worker of `ddpkit run` every call here does nothing."""
 
@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 
 _writer: protocol.RecordWriter | None = None
 _opened = False

@@ -1,5 +1,5 @@
 """Every step of this rank timed, with no change to the script, into its step record
-(`ddpkit.protocol.StepWriter`), for the launcher's speed doctor.
+(`ddpkit.common.protocol.StepWriter`), for the launcher's speed doctor.
 
 A step ends at each `optimizer.step()` (torch's global optimizer hooks: plain loops, `s.wrap`,
 Lightning, Hugging Face's Trainer and Accelerate all call it; the first optimizer that steps
@@ -31,7 +31,7 @@ import os
 import time
 from typing import Any
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 
 OFF_VARIABLE = "DDPKIT_STEP_TIMING"  # 0: no step timing in the ranks
 

@@ -10,7 +10,7 @@ import sys
 
 import ddpkit.cli
 import ddpkit.cli.kill
-import ddpkit.procs
+import ddpkit.common.procs
 
 with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
     ddpkit.cli.main(["kill", "--help"])  # imports what building the parser needs

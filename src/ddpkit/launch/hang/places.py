@@ -20,10 +20,10 @@ from typing import Any
 
 import psutil
 
-from ddpkit import protocol
-from ddpkit.frames import is_bootstrap, is_framework, is_library, torch_module
-from ddpkit.launch import flight
-from ddpkit.ranges import ranks_text
+from ddpkit.common import protocol
+from ddpkit.common.frames import is_bootstrap, is_framework, is_library, torch_module
+from ddpkit.common.ranges import ranks_text
+from ddpkit.launch.hang import flight
 
 GIL_STALE = 5.0  # seconds without a tick from a live, unstopped rank: C code holds its GIL
 

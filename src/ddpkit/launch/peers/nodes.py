@@ -9,8 +9,8 @@ publishes address and port as one record; every rank of every node gets that pai
 MASTER_ADDR/MASTER_PORT. Before any worker starts, every node has connected to that store and
 said who it is, or the launcher stops with the node that could not and why.
 
-Liveness and the end of a job: `ddpkit.launch.liveness`. Every store call is bounded
-(`ddpkit.launch.store`).
+Liveness and the end of a job: `ddpkit.launch.peers.liveness`. Every store call is bounded
+(`ddpkit.launch.peers.store`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpkit.common.network import address_toward, is_loopback
 from ddpkit.errors import ConfigError, LaunchError
 from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded, serve
 from ddpkit.launch.ports import listen
-from ddpkit.launch.store import BoundedStore, StoreUnreachableError, bounded, serve
-from ddpkit.network import address_toward, is_loopback
 
 CALL_LIMIT = 5.0  # seconds any one launcher store call may take once the job runs
 

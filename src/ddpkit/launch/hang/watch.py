@@ -22,9 +22,9 @@ from typing import Any
 
 import psutil
 
-from ddpkit import protocol
-from ddpkit.launch import flight
-from ddpkit.launch.places import GIL_STALE
+from ddpkit.common import protocol
+from ddpkit.launch.hang import flight
+from ddpkit.launch.hang.places import GIL_STALE
 from ddpkit.launch.report import HANG_EXIT_CODE  # noqa: F401 - where callers find it
 
 BUSY_SHARE = 0.10

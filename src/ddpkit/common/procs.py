@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 from ddpkit.errors import debug_note
 
 LAUNCHER_WORDS = (
@@ -157,7 +157,7 @@ def _listening_ports(proc: psutil.Process) -> list[int]:
 
 
 def _gpu_memory_by_pid() -> dict[int, int]:
-    from ddpkit.gpus import nvml
+    from ddpkit.common.gpus import nvml
 
     used: dict[int, int] = {}
     with nvml() as pynvml:

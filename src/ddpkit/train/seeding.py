@@ -1,5 +1,5 @@
 """Seeding: the same seed on every rank for model init (so replicas start equal); data workers
-get rank-mixed seeds from ddpkit.loaders."""
+get rank-mixed seeds from ddpkit.train.loaders."""
 
 from __future__ import annotations
 

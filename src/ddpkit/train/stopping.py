@@ -24,7 +24,7 @@ How every rank agrees, cheaply:
   cost (well under a second), never more than 2 x MAX_GAP s.
 The first read compares at once.
 
-The rank also tells the launcher (a state file, `ddpkit.protocol.GRACEFUL`) so that, after
+The rank also tells the launcher (a state file, `ddpkit.common.protocol.GRACEFUL`) so that, after
 forwarding a stop signal, it gives the ranks longer than --grace to save before it kills.
 """
 
@@ -38,7 +38,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CLOSE_WAIT = 10.0  # seconds close() waits for a comparison still in flight

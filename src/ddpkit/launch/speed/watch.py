@@ -4,9 +4,9 @@ summary when the job ends.
 
 Each second the watch reads the steps each rank wrote since the last read. Every EVALUATE_EVERY
 seconds it summarises each rank's last `window` steps (medians), gathers the evidence (NVML for
-the rank's GPU, the host's load, the rank's share of a core) and asks ddpkit.launch.straggler
+the rank's GPU, the host's load, the rank's share of a core) and asks ddpkit.launch.speed.straggler
 who holds the job back. One node, or node 0 of several (each other node sends its ranks'
-summaries through the job's store, ddpkit.launch.liveness), decides and says so on stderr:
+summaries through the job's store, ddpkit.launch.peers.liveness), decides and says so on stderr:
 once when an episode starts, once when it ends. `run_dir/speed-live.json` holds what
 `ddpkit top` shows; at the end `run_dir/speed.json` holds the job's per-rank figures and
 `run_dir/steps.png` (where matplotlib is installed) each rank's step times.
@@ -23,9 +23,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ddpkit import nccl_transport, protocol
-from ddpkit.launch import evidence, straggler
-from ddpkit.launch.straggler import Finding, RankSummary
+from ddpkit.common import nccl_transport, protocol
+from ddpkit.launch.speed import evidence, straggler
+from ddpkit.launch.speed.straggler import Finding, RankSummary
 
 EVALUATE_EVERY = 2.0
 LIVE_EVERY = 1.0
@@ -165,7 +165,7 @@ class SpeedWatch:
         found = nccl_transport.read(self.run_dir, self.host)
         self.transport = found.line() if found.ranks != 1 else "one rank: no data moves"
         self.notes.append(f"NCCL transport: {self.transport}")
-        from ddpkit.doctor.facts import infiniband_devices
+        from ddpkit.common.network import infiniband_devices
 
         said = nccl_transport.warnings(
             found,
@@ -177,7 +177,7 @@ class SpeedWatch:
 
     def _nvlinked(self) -> bool:
         """This machine's GPUs have active NVLinks (NVML)."""
-        from ddpkit.gpus import link_peak
+        from ddpkit.common.gpus import link_peak
 
         peak = link_peak(0)
         return bool(peak) and str(peak.get("link", "")).startswith("NVLink")

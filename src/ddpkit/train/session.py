@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import bucket_layout, checkpoint, comm, joining, loaders, protocol, sharding, state
+from ddpkit.common import protocol
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
-from ddpkit.graphs import ASYNC_VARIABLE, capture
-from ddpkit.seeding import seed_everything
-from ddpkit.stopping import StopFlag
-from ddpkit.training import Precision
-from ddpkit.wrapping import WRAP_DEFAULTS, buffers_are_batchnorm_statistics, unwrap
+from ddpkit.train import bucket_layout, checkpoint, comm, joining, loaders, sharding, state
+from ddpkit.train.graphs import ASYNC_VARIABLE, capture
+from ddpkit.train.seeding import seed_everything
+from ddpkit.train.stopping import StopFlag
+from ddpkit.train.training import Precision
+from ddpkit.train.wrapping import WRAP_DEFAULTS, buffers_are_batchnorm_statistics, unwrap
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Session:
         unless given. compress="bf16"|"fp16" all-reduces gradients in half precision (for
         slow links: half the bytes, some precision lost); compile=True applies torch.compile
         to the result. shard=True (or a list of block classes, or a callable) shards the
-        model with FSDP2 instead of DDP (ddpkit.sharding)."""
+        model with FSDP2 instead of DDP (ddpkit.train.sharding)."""
         if shard is not False and shard is not None:
             return self._shard(model, shard, compress, compile, ddp_kwargs)
         if compress not in (None, "bf16", "fp16"):
@@ -233,7 +234,7 @@ class Session:
         seeded: bool = True,
         **dataloader_kwargs: Any,
     ) -> loaders.EpochLoader:
-        """This rank's share of `dataset` (see ddpkit.loaders.make_loader): resumable with
+        """This rank's share of `dataset` (see ddpkit.train.loaders.make_loader): resumable with
         save_state/load_state; to_device=True moves each batch to s.device; seeded=False leaves
         the randomness of Dataset.__getitem__ alone."""
         return loaders.make_loader(
@@ -253,7 +254,7 @@ class Session:
 
     def save_state(self, path: str | os.PathLike[str], keep: int = 2, **objects: Any) -> None:
         """Collective: every object's state (modules, optimizers, schedulers, scalers,
-        s.loader positions, dicts) and every rank's RNG, atomically (ddpkit.state)."""
+        s.loader positions, dicts) and every rank's RNG, atomically (ddpkit.train.state)."""
         state.save_state(path, objects, self.rank, self.world_size, keep=keep)
 
     def load_state(self, path: str | os.PathLike[str], rng: bool = True, **objects: Any) -> bool:
@@ -279,7 +280,7 @@ class Session:
     ) -> Callable[..., Any]:
         """`step(*inputs)` (forward, backward, optimizer step) captured as a CUDA graph after
         `warmup` eager steps; call the result with new inputs of the same shapes. Pass the
-        model and optimizer(s) so their state before the warm-up is put back (ddpkit.graphs).
+        model and optimizer(s) so their state before the warm-up is put back (ddpkit.train.graphs).
         On the CPU or gloo the step runs eagerly."""
         models = [model] if isinstance(model, nn.Module) else list(model)
         optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]

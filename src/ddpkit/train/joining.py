@@ -1,6 +1,6 @@
 """How a process joins the job: which backend and device, the bounded wait for every peer,
 and the input checks of `setup()` (a bad backend or timeout is a ConfigError before anything
-waits). Used by `ddpkit.session.setup`."""
+waits). Used by `ddpkit.train.session.setup`."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit import protocol
+from ddpkit.common import protocol
+from ddpkit.common.ranges import ranks_text
 from ddpkit.env import DistEnv, check_gpu_fit
 from ddpkit.errors import ConfigError, EnvError, InitTimeoutError
-from ddpkit.ranges import ranks_text
 
 BACKENDS = ("auto", "nccl", "gloo")
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: longer is a typo, and torch's timers overflow on inf

@@ -3,7 +3,7 @@ together, and say where every rank of every node is when the job stalls.
 
 All of it goes through the job's store on node 0, each call bounded. A node that fails
 publishes an `Abort` (why, the exit code for the others, whether the nodes meet again); every
-other node reads it within a beat (`ddpkit.launch.liveness`). At the end, node 0 (and the node
+other node reads it within a beat (`ddpkit.launch.peers.liveness`). At the end, node 0 (and the node
 that serves the rendezvous) wait for every node to say it is done before they take the stores
 away, and the others stop talking to the stores before they say so: no node sees a store
 vanish under it on a successful exit.
@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.liveness import HANG_ASK, Abort, Liveness
-from ddpkit.launch.nodes import NodeGroup, _register, join_rdzv, serves_rendezvous
-from ddpkit.launch.places import verdict
-from ddpkit.launch.store import StoreUnreachableError
+from ddpkit.launch.hang.places import verdict
+from ddpkit.launch.peers.liveness import HANG_ASK, Abort, Liveness
+from ddpkit.launch.peers.nodes import NodeGroup, _register, join_rdzv, serves_rendezvous
+from ddpkit.launch.peers.store import StoreUnreachableError
 
 EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
 PLACES_WAIT = 15.0  # how long node 0 waits for the other nodes' stacks in a hang
@@ -77,7 +77,7 @@ def _all_done(node: NodeGroup) -> bool:
 def _shutdown_rendezvous(node: NodeGroup) -> None:
     handler, node.rendezvous = node.rendezvous, None
     if handler is not None:
-        from ddpkit.launch.store import bounded
+        from ddpkit.launch.peers.store import bounded
 
         with contextlib.suppress(Exception):
             bounded(handler.shutdown, 5.0, "leaving the rendezvous")

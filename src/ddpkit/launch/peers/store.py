@@ -8,7 +8,7 @@ return in time raises `StoreUnreachableError`, and the client is dropped (its th
 blocked in the kernel; it is a daemon and holds nothing else). The next call connects afresh.
 
 `serve` starts a TCPStore server on a socket the launcher already holds (no race for the
-port; ddpkit.store_server, shared with rank 0, which serves a one-node job's store);
+port; ddpkit.common.store_server, shared with rank 0, which serves a one-node job's store);
 `connect` makes a client. Nothing here imports torch until a store is made.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ddpkit.store_server import serve_fd
+from ddpkit.common.store_server import serve_fd
 
 
 class StoreUnreachableError(Exception):

@@ -37,7 +37,7 @@ FORMAT = 1
 
 
 def _unwrapped(obj: Any) -> Any:
-    from ddpkit.wrapping import unwrap
+    from ddpkit.train.wrapping import unwrap
 
     return unwrap(obj) if isinstance(obj, torch.nn.Module) else obj
 
@@ -144,7 +144,7 @@ def save_state(
             }
             _write(tmp / "shared.pt", shared)
     except Exception as err:  # torch.save says ENOSPC as a RuntimeError
-        from ddpkit.checkpoint import why
+        from ddpkit.train.checkpoint import why
 
         error = f"rank {rank}: {why(err)}"
     errors = _gather(error, world_size)
@@ -275,9 +275,9 @@ def load_state(
 
 def _line_up_buckets(obj: Any) -> None:
     """A DDP the script built itself sums its first step as its later ones from here on, as
-    s.wrap's does (ddpkit.bucket_layout): in the first run and the resumed one alike, since
+    s.wrap's does (ddpkit.train.bucket_layout): in the first run and the resumed one alike, since
     both call load_state before training."""
-    from ddpkit import bucket_layout
+    from ddpkit.train import bucket_layout
 
     ddp = bucket_layout.find_ddp(obj)
     if ddp is not None:
@@ -289,7 +289,7 @@ def _line_up_buckets(obj: Any) -> None:
 
 def _sharded_part(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[str] | None:
     """Names of the sharded model and of the optimizers that go with it, or None."""
-    from ddpkit.sharding import is_sharded
+    from ddpkit.train.sharding import is_sharded
 
     models = [n for n, o in objects.items() if kinds[n] == "stateful" and is_sharded(o)]
     if not models:

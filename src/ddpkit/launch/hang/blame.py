@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit import protocol
-from ddpkit.ranges import ranks_text
+from ddpkit.common import protocol
+from ddpkit.common.ranges import ranks_text
 
 # A rank failed because it waited for a peer: the peer closed its connections, or a timeout ran
 # out (gloo's, NCCL's watchdog, the store's).

@@ -33,7 +33,7 @@ TRACK = "_DDPKIT_TRACK"  # "0": no per-collective records (benchmarks)
 RANK_PID = "_DDPKIT_RANK_PID"  # set by the bootstrap: its children are not the rank
 FRAMED = "_DDPKIT_FRAMED"  # "1": stdout and stderr share one pipe; frame sys.stderr's writes
 # rank 0 of a one-node job: the launcher's listening socket (this fd number), on which rank 0
-# serves the job's TCPStore once torch.distributed is imported (ddpkit.store_server)
+# serves the job's TCPStore once torch.distributed is imported (ddpkit.common.store_server)
 STORE_FD = "_DDPKIT_STORE_FD"
 WORKER_VARIABLES = (
     JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID, FRAMED, STORE_FD

@@ -5,6 +5,7 @@ would use). No torch, and nothing is sent on the network."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 
 
@@ -37,3 +38,11 @@ def interface_of(address: str) -> str:
         if any(a.address.split("%")[0] == address for a in addrs):
             return name
     return "?"
+
+
+def infiniband_devices(root: str = "/sys/class/infiniband") -> list[str]:
+    """The InfiniBand devices this machine has (their names), for NCCL's transport advice."""
+    try:
+        return sorted(os.listdir(root))
+    except OSError:
+        return []

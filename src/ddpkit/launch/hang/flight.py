@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpkit import protocol
+from ddpkit.common import protocol
 
 
 def _paths(state_dir: Path, rank: int | str, full: bool = True) -> tuple[Path, Path]:

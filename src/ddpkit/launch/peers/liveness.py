@@ -6,7 +6,7 @@ in one call per beat; a node whose counter has not moved for `--node-timeout` is
 0 publishes why in the `abort` key. Every other node reads only that key and writes only its
 own counters, so its cost does not grow with the number of nodes. A node that gets no answer
 from the store for `--node-timeout` (node 0's launcher killed, its machine gone, the link cut)
-has lost node 0 and says so in the same words. Every call is bounded (`ddpkit.launch.store`).
+has lost node 0 and says so in the same words. Every call is bounded (`ddpkit.launch.peers.store`).
 
 The same thread carries the cross-node hang watch's traffic: each node adds to its `progress`
 counter when one of its ranks progressed; node 0 knows when any node last did, and asks every
@@ -24,8 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ddpkit.launch.nodes import CALL_LIMIT, NodeGroup
-from ddpkit.launch.store import BoundedStore, StoreUnreachableError, bounded
+from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
+from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded
 
 BEAT = 1.0
 HANG_ASK = "hang/ask"

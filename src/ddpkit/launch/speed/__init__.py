@@ -1,0 +1,1 @@
+"""The speed doctor in the launcher: step records, straggler verdicts, evidence."""
