@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ddpkit.launch.hang import flight
+from ddpkit.launch.wait import Wait
 from tests.groups.harness import run_ranks
 
 torch = pytest.importorskip("torch")
@@ -105,7 +106,7 @@ def _served(rank, world, tmp):
             if answer is not None:
                 break
             time.sleep(0.1)
-        full = flight.request([rank], state).get(rank)
+        full = flight.request([rank], state, Wait()).get(rank)
         s.barrier()
         return answer, full
 
@@ -135,7 +136,7 @@ def _report_during_a_poll(rank, world, tmp):
         state = Path(tmp)
         rank_flight.serve(str(state), str(rank), "gloo")
         flight.ask(state, rank)  # the watch's poll, not answered yet
-        full = flight.request([rank], state).get(rank)  # the report, at once
+        full = flight.request([rank], state, Wait()).get(rank)  # the report, at once
         s.barrier()
         return full
 

@@ -81,3 +81,12 @@ def test_no_module_is_longer_than_500_lines():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}  # fmt: skip
     assert not long
+
+
+def test_the_frames_module_knows_where_ddpkit_and_its_bootstrap_are():
+    from ddpkit.common import frames
+
+    assert str(SRC.resolve()) + "/" == frames.DDPKIT_DIR
+    assert Path(frames.BOOTSTRAP).is_file()
+    assert frames.is_library(str(SRC / "train" / "session.py"))
+    assert not frames.is_library(str(SRC / "examples" / "digits.py"))

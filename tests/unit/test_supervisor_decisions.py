@@ -9,12 +9,12 @@ import os
 import signal
 import time
 
-import pytest
-
 from ddpkit.common import protocol
-from ddpkit.launch import config, report, supervisor
+from ddpkit.launch import observe, report
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup
+from ddpkit.launch.peers.peers import NodePeers, wait_for_word
+from ddpkit.launch.wait import Wait
 from ddpkit.launch.workers import Signals, Worker
 
 
@@ -61,8 +61,8 @@ def test_ranks_that_never_reached_init_are_named_once_the_others_waited_the_time
     protocol.state_path(tmp_path, 0, protocol.PHASE).write_text(f"init {began:.3f}\n")
     protocol.write_phase(tmp_path, 1, "started")
     workers = [worker(0), worker(1), worker(2)]  # rank 2 wrote nothing yet
-    assert supervisor._missing_at_init(workers, tmp_path, timeout=60) is None
-    verdict = supervisor._missing_at_init(workers, tmp_path, timeout=5)
+    assert observe.missing_at_init(workers, tmp_path, timeout=60) is None
+    verdict = observe.missing_at_init(workers, tmp_path, timeout=5)
     assert verdict == (
         "rank 1,2 never reached init_process_group; rank 0 waited 10 s for it (--init-timeout 5)"
     )
@@ -71,7 +71,7 @@ def test_ranks_that_never_reached_init_are_named_once_the_others_waited_the_time
 def test_no_init_verdict_while_no_rank_waits_in_init(tmp_path):
     protocol.write_phase(tmp_path, 0, "ready")
     protocol.write_phase(tmp_path, 1, "started")
-    assert supervisor._missing_at_init([worker(0), worker(1)], tmp_path, timeout=0) is None
+    assert observe.missing_at_init([worker(0), worker(1)], tmp_path, timeout=0) is None
 
 
 def test_a_rank_stuck_after_its_error_counts_as_failed_with_the_code_it_chose(tmp_path):
@@ -79,53 +79,50 @@ def test_a_rank_stuck_after_its_error_counts_as_failed_with_the_code_it_chose(tm
     error(tmp_path, 1, "boom", time.time())
     fresh = protocol.state_path(tmp_path, 1, protocol.ERROR)
     old = protocol.state_path(tmp_path, 0, protocol.ERROR)
-    written = time.time() - supervisor.ERROR_EXIT_WAIT - 1
+    written = time.time() - observe.ERROR_EXIT_WAIT - 1
     os.utime(old, (written, written))
     workers = [worker(0), worker(1), worker(2, exit_code=0)]
-    stuck = supervisor._errored(workers, tmp_path, time.time())
+    stuck = observe.errored(workers, tmp_path)
     assert [w.rank for w in stuck] == [0], f"{fresh.name} was written just now"
     assert workers[0].exit_code == 7
 
 
-@pytest.mark.parametrize(
-    ("max_restarts", "attempt", "signals", "restartable", "expected"),
-    [
-        (2, 0, 0, True, True),
-        (2, 2, 0, True, False),  # restarts used up
-        (2, 0, 1, True, False),  # the user stopped the job
-        (2, 0, 0, False, False),  # a lost node: nothing to start again with
-    ],
-)
-def test_a_job_starts_again_only_when_it_may(
-    max_restarts, attempt, signals, restartable, expected, tmp_path, monkeypatch
-):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("")
-    cfg = config.build("script", "train.py", nproc_per_node="2", max_restarts=str(max_restarts))
-    outcome = report.Outcome(ok=False, exit_code=1, restartable=restartable)
-    assert supervisor._restarts(cfg, outcome, attempt, Signals(count=signals)) is expected
-
-
-def test_a_victim_node_reports_the_other_nodes_word_instead_of_its_own():
+def test_a_victim_node_hears_the_other_nodes_word():
     node = NodeGroup(group_rank=1, nnodes=2)
     live = Liveness(node, timeout=1)  # not started: its findings are set as the thread would
     live.abort = Abort(0, "rank 0 exited with code 3", 3, restart=False)
-    own = report.Outcome(ok=False, exit_code=1, summary="rank 2: Connection reset by peer")
-    outcome = supervisor._cause_elsewhere(own, node, live, Signals(), bound=1)
+    word = wait_for_word(NodePeers(node, live), Wait(), seconds=1)
+    assert word == live.abort
+    outcome = report.Outcome.other_node(word)
     assert (outcome.summary, outcome.exit_code, outcome.from_node) == (live.abort.why, 3, 0)
 
 
-def test_a_victim_node_keeps_its_own_verdict_when_no_word_comes():
+def test_a_victim_node_hears_nothing_when_no_word_comes_and_keeps_its_verdict():
     node = NodeGroup(group_rank=1, nnodes=2)
-    own = report.Outcome(ok=False, exit_code=1, summary="rank 2: Connection reset by peer")
-    outcome = supervisor._cause_elsewhere(own, node, Liveness(node, 1), Signals(), bound=0.2)
-    assert outcome is own
+    began = time.monotonic()
+    assert wait_for_word(NodePeers(node, Liveness(node, 1)), Wait(), seconds=0.2) is None
+    assert time.monotonic() - began >= 0.2
 
 
-def test_a_lost_node_is_reported_as_such():
+def test_a_lost_node_is_heard_as_such():
     node = NodeGroup(group_rank=1, nnodes=2)
     live = Liveness(node, timeout=1)
     live.lost = "node 0 (alpha) is gone"
-    own = report.Outcome(ok=False, exit_code=1, summary="rank 2: Connection reset by peer")
-    outcome = supervisor._cause_elsewhere(own, node, live, Signals(), bound=1)
+    word = wait_for_word(NodePeers(node, live), Wait(), seconds=1)
+    outcome = report.Outcome.node_lost(word)
     assert (outcome.summary, outcome.restartable) == ("node 0 (alpha) is gone", False)
+
+
+def test_a_nodes_own_abort_is_not_another_nodes_word():
+    node = NodeGroup(group_rank=1, nnodes=2)
+    live = Liveness(node, timeout=1)
+    live.abort = Abort(1, "this node's own verdict", 1, restart=False)
+    assert NodePeers(node, live).word() is None
+    live.abort = Abort(1, "nodes join", 0, restart=True, membership=True)
+    assert NodePeers(node, live).word() is not None, "a membership change is everyone's"
+
+
+def test_a_wait_gives_up_at_once_on_a_stop_signal():
+    signals = Signals(count=1, last=signal.SIGTERM)
+    waited = Wait(lambda: "SIGTERM" if signals.count else None).until(lambda: False, 30)
+    assert (waited.done, waited.why) == (False, "SIGTERM")

@@ -45,7 +45,8 @@ def _site_dirs() -> tuple[str, ...]:
     return tuple({os.path.realpath(p) + os.sep for p in found if p})
 
 
-DDPKIT_DIR = os.path.realpath(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# the package folder (this file is in ddpkit/common/)
+DDPKIT_DIR = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 EXAMPLES_DIR = DDPKIT_DIR + "examples" + os.sep
 BOOTSTRAP = DDPKIT_DIR + os.path.join("rank", "bootstrap.py")
 

@@ -1,12 +1,28 @@
-"""Start the workers, watch them, stop them all: the loop behind `ddpkit run`.
+"""`ddpkit run` as one state machine: start the workers, watch them, stop them all.
 
-Promises: every worker runs in a process group of its own, tied to the launcher by a death
-signal, and watched by a watchdog process that ends the job if the launcher is SIGKILLed. When
-a rank fails, when the user presses Ctrl+C or sends SIGTERM, when a rank never reaches init, or
-when another node is lost, every worker's group (and every process carrying the run id in its
-environment) gets SIGTERM, then SIGKILL after the grace period; a second Ctrl+C kills at once.
-The exit code is the root-cause rank's (128+N for signal N), 130/143 after Ctrl+C/SIGTERM, and 1
-for failures the launcher found itself.
+The phases of an attempt, one handler each:
+
+    meet     the nodes meet (one node: nothing to do); a restart or a new round meets again
+    start    the workers start, each in a session of its own, each told to the watchdog
+    run      look at the job (`observe`), ask what it means (`decide.decide`), act on it,
+             until the verdict is not "go on"
+    settle   after a failure, near-simultaneous exits land, so the root cause is chosen
+             among them
+    collect  the evidence the report needs: stacks in a hang, the rank the others waited
+             for, another node's word on why
+    stop     every process of the job ends (the signal forwarded, the grace, SIGKILL)
+    report   the outcome, written and printed
+    leave    this node is done with the round; then `decide.after_attempt` says: restart
+             (meet again), a new round of membership, or done.
+
+Every wait goes through one primitive (`wait.Wait`: a deadline that also gives up on a stop
+signal); the other nodes are a `Peers` (`NoPeers` for one node), so nothing here asks how many
+nodes there are. Promises: every worker is tied to the launcher by a death signal and watched
+by a watchdog process that ends the job if the launcher is SIGKILLed; on a failure, Ctrl+C or
+SIGTERM, a rank missing at init or a lost node, every process of the job gets SIGTERM, then
+SIGKILL after the grace; a second Ctrl+C kills at once. The exit code is the root-cause rank's
+(128+N for signal N), 130/143 after Ctrl+C/SIGTERM, 124 for a hang, and 1 for failures the
+launcher found itself.
 """
 
 from __future__ import annotations
@@ -18,22 +34,22 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.common import protocol
-from ddpkit.common.ranges import ranks_text
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import causes, report, rundir
+from ddpkit.launch import causes, observe, report, rundir, watchdog
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.hang import blame
-from ddpkit.launch.hang import places as rank_places
-from ddpkit.launch.hang import watch as hang
-from ddpkit.launch.hang.watch import HANG_EXIT_CODE
+from ddpkit.launch.decide import Attempt, Next, Observation, Verdict, after_attempt, decide
+from ddpkit.launch.hang import blame, places
+from ddpkit.launch.hang.watch import HANG_EXIT_CODE, HangWatch
 from ddpkit.launch.output import CONSOLE
 from ddpkit.launch.peers import crossnode
-from ddpkit.launch.peers.liveness import BEAT, Abort, Liveness
-from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup, join
+from ddpkit.launch.peers.liveness import BEAT, Abort
+from ddpkit.launch.peers.nodes import NodeGroup, join
+from ddpkit.launch.peers.peers import Peers, peers_of, wait_for_word
 from ddpkit.launch.speed.watch import SpeedWatch
+from ddpkit.launch.wait import Wait
 from ddpkit.launch.workers import (
     FORWARDED,
     QUIETED,
@@ -46,11 +62,271 @@ from ddpkit.launch.workers import (
 )
 
 PR_SET_CHILD_SUBREAPER = 36
-POLL = 0.05
+SETTLE = 0.2  # seconds near-simultaneous exits get to land before the root cause is chosen
+INIT_CHECK_EVERY = 0.5
+
+
+@dataclass
+class Job:
+    """What lives for the whole job, across attempts and rounds."""
+
+    cfg: LaunchConfig
+    run_dir: Path
+    signals: Signals
+    watchdog: subprocess.Popen[bytes]
+
+    def interrupted(self) -> str | None:
+        """Why to give up a wait: a stop signal the launcher got."""
+        return signal.Signals(self.signals.last).name if self.signals.count else None
+
+    @property
+    def wait(self) -> Wait:
+        return Wait(self.interrupted)
 
 
 def launch(cfg: LaunchConfig) -> int:
     """Run the job described by `cfg`; return the exit code for `ddpkit run`."""
+    _prepare(cfg)
+    base = rundir.base_folder(cfg.log_dir)  # bad --log-dir: an error before anything starts
+    node = join(cfg)  # meet, before our handlers: Ctrl+C while waiting for nodes just stops
+    signals = Signals()
+    previous = {s: signal.signal(s, signals.handle) for s in {*FORWARDED, *cfg.torchrun.signals}}
+    guard = None
+    code = 1
+    try:
+        name = node.run_id if node.nnodes == 1 else f"{node.run_id}-node{node.group_rank}"
+        run_dir = rundir.make(base, name)
+        rundir.mark_latest(base, run_dir)
+        with contextlib.suppress(OSError):
+            rundir.prune(base)
+        _say_start(cfg, node, run_dir)
+        guard = watchdog.start(node.run_id, cfg.grace)
+        job = Job(cfg, run_dir, signals, guard)
+        attempt, rounds, began = 0, 0, time.monotonic()
+        while True:
+            peers = peers_of(node, cfg.node_timeout, elastic=cfg.min_nodes < cfg.nnodes)
+            peers.start()
+            outcome = run_attempt(job, node, peers, run_dir / f"state{rounds}", attempt)
+            code, rounds = outcome.exit_code, rounds + 1
+            if debug_enabled() and peers.debug_line():
+                _say(peers.debug_line())
+            then = after_attempt(
+                Attempt(
+                    ok=outcome.ok,
+                    restartable=outcome.restartable,
+                    membership=outcome.membership,
+                    signalled=signals.count > 0,
+                    attempt=attempt,
+                    max_restarts=cfg.max_restarts,
+                )
+            )
+            # leave: a node that serves a store waits for the others to read why (bounded)
+            if outcome.ok:
+                peers.finish()
+                _say(_done_line(run_dir, time.monotonic() - began))
+                break
+            hurry = signals.count > 0
+            peers.leave(1.0 if hurry else cfg.node_timeout, hurry)
+            if then is Next.DONE:
+                _say(outcome.text.lstrip("\n"), prefix="")
+                break
+            if then is Next.NEW_ROUND:
+                _say(f"the job's nodes change ({outcome.summary}): every node starts again")
+            else:  # not the job's end: no exit code yet, the group starts again
+                text = outcome.text.lstrip("\n").rsplit("\n  exit code:", 1)[0]
+                tries = f"attempt {attempt + 1} of {cfg.max_restarts + 1}"
+                _say(text.replace("ddpkit: the job ", f"ddpkit: {tries}: the job ", 1), prefix="")
+                attempt += 1
+                _say(f"restarting the whole group ({attempt} of {cfg.max_restarts})")
+            node = crossnode.next_round(cfg, node)  # meet again
+    finally:
+        node.close()
+        if guard is not None:
+            watchdog.finish(guard)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code
+
+
+def run_attempt(
+    job: Job, node: NodeGroup, peers: Peers, state_dir: Path, attempt: int
+) -> report.Outcome:
+    """One attempt: start, run, settle, collect, stop, report. Returns the finalized outcome."""
+    cfg = job.cfg
+    state_dir.mkdir(mode=0o700)
+    workers: list[Worker] = []
+    speed = None
+    given = cfg.grace
+    try:
+        _start(job, node, state_dir, attempt, workers)
+        speed = SpeedWatch(
+            workers,
+            state_dir,
+            job.run_dir,
+            cfg.straggler_threshold,
+            cfg.straggler_window,
+            node.host,
+            peers,
+        )
+        verdict, stall = _run(job, workers, state_dir, peers, speed)
+        outcome = _collect(job, verdict, stall, workers, state_dir, peers)
+        if peers.multi_node and outcome.from_node is None and not outcome.ok:
+            # this node knows why: the others stop for the same reason, before this node's
+            # ranks go and theirs fail for want of a peer
+            why = f"node {node.group_rank} ({node.host}): {outcome.summary}"
+            others = outcome.exit_code if outcome.exit_code == HANG_EXIT_CODE else 1
+            restart = after_attempt(
+                Attempt(False, outcome.restartable, False, job.signals.count > 0, attempt,
+                        cfg.max_restarts)
+            ) is Next.RESTART  # fmt: skip
+            peers.publish_abort(Abort(node.group_rank, why, others, restart), job.signals.count > 0)
+    finally:
+        # stop
+        given = stop_workers(workers, cfg.grace, job.signals, node.run_id, state_dir)
+        for w in workers:
+            w.output.close()
+        end_orphans({w.proc.pid for w in workers}, job.watchdog.pid)
+    if speed is not None and not job.signals.count:
+        summary = speed.finish()  # speed.json and steps.png, whatever the outcome
+        while speed.notes:
+            _say(speed.notes.pop(0))
+        if summary and outcome.ok:  # after a failure the step times are beside the point
+            _say(summary)
+    # report
+    outcome.grace = given
+    outcome.finalize(workers, job.run_dir, state_dir)
+    return outcome
+
+
+def _start(job: Job, node: NodeGroup, state_dir: Path, attempt: int, workers: list[Worker]) -> None:
+    """Start every worker of this node (none more once a stop signal came)."""
+    cfg = job.cfg
+    for local_rank in range(cfg.nproc_per_node):
+        if job.signals.count:  # Ctrl+C or SIGTERM while starting: start no more
+            return
+        rank = node.group_rank * cfg.nproc_per_node + local_rank
+        env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
+        workers.append(start_worker(cfg, rank, env, job.run_dir))
+        watchdog.tell(job.watchdog, f"group {workers[-1].pgid}")
+    if cfg.kind == "command":  # a program, not Python: its rank 0 cannot serve the store
+        node.serve_store(cfg.init_timeout, job.wait)  # the workers' connections wait till now
+
+
+def _run(
+    job: Job, workers: list[Worker], state_dir: Path, peers: Peers, speed: SpeedWatch
+) -> tuple[Verdict, float]:
+    """Look, decide, act, until the verdict is not GO_ON; (the verdict, how long no rank made
+    progress). What the job goes on with is acted on here: the watches' notes, a long wait
+    said, another node's question answered."""
+    cfg = job.cfg
+    hangs = HangWatch(workers, state_dir, cfg.hang_timeout, peers)
+    next_init_check = 0.0
+    while True:
+        now = time.monotonic()
+        observe.reap(workers)
+        checking_init = now >= next_init_check
+        if checking_init:
+            next_init_check = now + INIT_CHECK_EVERY
+        seen = Observation(
+            signal=job.signals.last if job.signals.count else None,
+            failed=tuple(w.rank for w in observe.failed(workers, state_dir)),
+            running=tuple(w.rank for w in workers if w.exit_code is None),
+            console_closed=CONSOLE.closed is not None,
+            other_node_said=peers.word() is not None,
+            node_lost=peers.lost() is not None,
+            hung=hangs.hung(now),
+            missing_at_init=checking_init
+            and observe.missing_at_init(workers, state_dir, cfg.init_timeout) is not None,
+        )
+        verdict = decide(seen)
+        if verdict is not Verdict.GO_ON:
+            return verdict, hangs.stalled_for(now)
+        if peers.hang_asked():  # node 0 asks where this node's ranks are
+            peers.answer_places(*places.collect(workers, state_dir, wait=job.wait))
+        while hangs.notes:
+            _say(hangs.notes.pop(0))
+        if hangs.waits is not None:
+            waits, hangs.waits = hangs.waits, None
+            _say(
+                places.long_wait_note(
+                    workers, state_dir, waits.waiting, waits.working, waits.began, job.wait
+                )
+            )
+        speed.sample(now)
+        while speed.notes:
+            _say(speed.notes.pop(0))
+        time.sleep(cfg.torchrun.monitor_interval)
+
+
+def _collect(
+    job: Job,
+    verdict: Verdict,
+    stall: float,
+    workers: list[Worker],
+    state_dir: Path,
+    peers: Peers,
+) -> report.Outcome:
+    """The outcome a verdict makes, with the evidence its report needs (settle and collect)."""
+    cfg, wait = job.cfg, job.wait
+    if verdict is Verdict.INTERRUPTED:
+        name = signal.Signals(job.signals.last).name
+        return report.Outcome.interrupted_by(name, 128 + job.signals.last)
+    if verdict is Verdict.RANK_FAILED:
+        wait.until(lambda: False, SETTLE)  # settle: near-simultaneous exits land
+        observe.reap(workers)
+        outcome = report.Outcome.rank_failed(
+            [w for w in workers if w.exit_code not in (None, 0)], state_dir, causes.OomWatch()
+        )
+
+        def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
+            alive = [w for w in workers if w.rank in ranks]
+            return places.collect(alive, state_dir, hung=False, wait=wait)[0]
+
+        culprit = blame.find_culprit(workers, state_dir, places_of)
+        if culprit is not None:
+            outcome.blame(culprit, state_dir)
+        if peers.multi_node and outcome.victim:  # the cause may be another node's
+            word = wait_for_word(peers, wait, cfg.node_timeout + BEAT)
+            if isinstance(word, Abort):
+                return report.Outcome.other_node(word)
+            if isinstance(word, str):
+                return report.Outcome.node_lost(word)
+        return outcome
+    if verdict is Verdict.CONSOLE_CLOSED:
+        return report.Outcome.launcher_failure(f"{CONSOLE.closed}; the job is stopped")
+    if verdict is Verdict.OTHER_NODE:
+        word = peers.word()
+        assert word is not None
+        return report.Outcome.other_node(word)
+    if verdict is Verdict.NODE_LOST:
+        return report.Outcome.node_lost(peers.lost() or "a node is gone")
+    if verdict is Verdict.SUCCESS:
+        return report.Outcome.success()
+    if verdict is Verdict.HUNG:
+        return _hang_outcome(job, stall, workers, state_dir, peers)
+    missing = observe.missing_at_init(workers, state_dir, cfg.init_timeout)
+    outcome = report.Outcome.launcher_failure(missing or "a rank never reached init")
+    # where the missing ranks are instead: their stacks, as the hang doctor shows them
+    absent = [w for w in workers if observe.absent(w, state_dir)]
+    outcome.details = places.collect(absent, state_dir, False, wait)[1]
+    return outcome
+
+
+def _hang_outcome(
+    job: Job, stall: float, workers: list[Worker], state_dir: Path, peers: Peers
+) -> report.Outcome:
+    """The hang report: every rank's place (every node's, from node 0). A stop signal while it
+    is collected cuts its waits short, so the launcher still ends within its grace."""
+    own, details = places.collect(workers, state_dir, wait=job.wait)
+    every, hosts, details = peers.places_everywhere(own, details, job.cfg.nproc_per_node, job.wait)
+    line = f"no rank made progress for {stall:.0f} s: {places.verdict(every, hosts)}"
+    if job.signals.count:
+        name = signal.Signals(job.signals.last).name
+        return report.Outcome.interrupted_by(name, 128 + job.signals.last)
+    return report.Outcome.hang(line, details, job.cfg.hang_timeout)
+
+
+def _prepare(cfg: LaunchConfig) -> None:
     _become_subreaper()
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:
         # torch's C++ warnings about the launchers' own store connections (a node gone, a
@@ -60,67 +336,12 @@ def launch(cfg: LaunchConfig) -> int:
     if cfg.multi_node:
         meet = cfg.rdzv or f"{cfg.master_addr}:{cfg.master_port}"
         _say(f"waiting up to {cfg.init_timeout:g} s for {cfg.nnodes} nodes to meet at {meet}")
-    base = rundir.base_folder(cfg.log_dir)  # bad --log-dir: an error before anything starts
-    node = join(cfg)  # before our handlers: Ctrl+C while waiting for nodes just stops
-    signals = Signals()
-    forwarded = set(FORWARDED) | set(cfg.torchrun.signals)
-    previous = {s: signal.signal(s, signals.handle) for s in forwarded}
-    watchdog = None
-    code = 1
-    try:
-        name = node.run_id if node.nnodes == 1 else f"{node.run_id}-node{node.group_rank}"
-        run_dir = rundir.make(base, name)
-        rundir.mark_latest(base, run_dir)
-        with contextlib.suppress(OSError):
-            rundir.prune(base)
-        _say_start(cfg, node, run_dir)
-        watchdog = _start_watchdog(node.run_id, cfg.grace)
-        attempt, rounds, began = 0, 0, time.monotonic()
-        while True:
-            live = Liveness(node, cfg.node_timeout, elastic=cfg.min_nodes < cfg.nnodes)
-            live.start()
-            state_dir = run_dir / f"state{rounds}"
-            outcome = _run_attempt(cfg, node, live, state_dir, attempt, signals, watchdog)
-            code, rounds = outcome.exit_code, rounds + 1
-            if node.multi_node and debug_enabled():
-                _say(f"liveness: {live.beats} beats, longest gap {live.longest_gap:.2f} s")
-            if outcome.ok:
-                crossnode.finish(node, live)
-                _say(_done_line(run_dir, time.monotonic() - began))
-                break
-            # a node that serves a store waits for the others to read why (bounded)
-            hurry = signals.count > 0
-            crossnode.leave(node, live, 1.0 if hurry else cfg.node_timeout, hurry=hurry)
-            if outcome.membership and not signals.count:
-                _say(f"the job's nodes change ({outcome.summary}): every node starts again")
-            elif _restarts(cfg, outcome, attempt, signals):
-                # not the job's end: no exit code yet, the group starts again
-                text = outcome.text.lstrip("\n").rsplit("\n  exit code:", 1)[0]
-                tries = f"attempt {attempt + 1} of {cfg.max_restarts + 1}"
-                _say(text.replace("ddpkit: the job ", f"ddpkit: {tries}: the job ", 1), prefix="")
-                attempt += 1
-                _say(f"restarting the whole group ({attempt} of {cfg.max_restarts})")
-            else:
-                _say(outcome.text.lstrip("\n"), prefix="")
-                break
-            node = crossnode.next_round(cfg, node)
-    finally:
-        node.close()
-        if watchdog is not None:
-            _finish_watchdog(watchdog)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return code
 
 
 def _done_line(run_dir: Path, seconds: float) -> str:
     files = [name for name in ("speed.json", "steps.png") if (run_dir / name).exists()]
     also = f" ({', '.join(files)} beside the logs)" if files else ""
     return f"done in {seconds:.1f} s: every rank exited 0; logs in {run_dir}{also}"
-
-
-def _restarts(cfg: LaunchConfig, outcome: report.Outcome, attempt: int, signals: Signals) -> bool:
-    return outcome.restartable and not signals.count and attempt < cfg.max_restarts
 
 
 def _say_start(cfg: LaunchConfig, node: NodeGroup, run_dir: Path) -> None:
@@ -138,286 +359,10 @@ def _say_start(cfg: LaunchConfig, node: NodeGroup, run_dir: Path) -> None:
     )
 
 
-def _run_attempt(
-    cfg: LaunchConfig,
-    node: NodeGroup,
-    live: Liveness,
-    state_dir: Path,
-    attempt: int,
-    signals: Signals,
-    watchdog: subprocess.Popen[bytes],
-) -> report.Outcome:
-    run_dir = state_dir.parent
-    state_dir.mkdir(mode=0o700)
-    workers: list[Worker] = []
-    speed = None
-    given = cfg.grace
-    try:
-        for local_rank in range(cfg.nproc_per_node):
-            if signals.count:  # Ctrl+C or SIGTERM while starting: start no more
-                break
-            rank = node.group_rank * cfg.nproc_per_node + local_rank
-            env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
-            workers.append(start_worker(cfg, rank, env, run_dir))
-            _tell_watchdog(watchdog, f"group {workers[-1].pgid}")
-        if cfg.kind == "command":  # a program, not Python: its rank 0 cannot serve the store
-            # one node: the workers' connections wait till now
-            node.serve_store(cfg.init_timeout, stop=lambda: signals.count > 0)
-        speed = SpeedWatch(
-            workers,
-            state_dir,
-            run_dir,
-            cfg.straggler_threshold,
-            cfg.straggler_window,
-            node.host,
-            live if node.multi_node else None,
-            node.group_rank,
-        )
-        outcome = _supervise(cfg, node, live, workers, state_dir, signals, speed)
-        if node.multi_node and outcome.from_node is None and not outcome.ok:
-            # this node knows why: the others stop for the same reason, before this node's
-            # ranks go and theirs fail for want of a peer
-            why = f"node {node.group_rank} ({node.host}): {outcome.summary}"
-            others = outcome.exit_code if outcome.exit_code == HANG_EXIT_CODE else 1
-            restart = _restarts(cfg, outcome, attempt, signals)
-            limit = 0.5 if signals.count else CALL_LIMIT
-            crossnode.publish_abort(node, Abort(node.group_rank, why, others, restart), limit)
-    finally:
-        given = stop_workers(workers, cfg.grace, signals, node.run_id, state_dir)
-        for w in workers:
-            w.output.close()
-        end_orphans({w.proc.pid for w in workers}, watchdog.pid)
-    if speed is not None and not signals.count:
-        summary = speed.finish()  # speed.json and steps.png, whatever the outcome
-        while speed.notes:
-            _say(speed.notes.pop(0))
-        if summary and outcome.ok:  # after a failure the step times are beside the point
-            _say(summary)
-    outcome.grace = given
-    outcome.finalize(workers, run_dir, state_dir)
-    return outcome
-
-
-def _supervise(
-    cfg: LaunchConfig,
-    node: NodeGroup,
-    live: Liveness,
-    workers: list[Worker],
-    state_dir: Path,
-    signals: Signals,
-    speed: SpeedWatch,
-) -> report.Outcome:
-    next_init_check = 0.0
-    watch = hang.HangWatch(workers, state_dir, cfg.hang_timeout, live if node.multi_node else None)
-    oom = causes.OomWatch()
-    answered_hang = False
-    while True:
-        now = time.monotonic()
-        for w in workers:
-            if w.exit_code is None and (code := w.proc.poll()) is not None:
-                w.exit_code, w.ended_wall = code, time.time()
-        if signals.count:
-            name = signal.Signals(signals.last).name
-            return report.Outcome.interrupted_by(name, 128 + signals.last)
-        failed = [w for w in workers if w.exit_code not in (None, 0)] or _errored(
-            workers, state_dir, now
-        )
-        if failed:
-            # let near-simultaneous exits land, so the root cause is chosen among them
-            time.sleep(0.2)
-            for w in workers:
-                if w.exit_code is None and (code := w.proc.poll()) is not None:
-                    w.exit_code, w.ended_wall = code, time.time()
-            outcome = report.Outcome.rank_failed(
-                [w for w in workers if w.exit_code not in (None, 0)], state_dir, oom
-            )
-
-            def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
-                alive = [w for w in workers if w.rank in ranks]
-                stop = lambda: signals.count > 0  # noqa: E731
-                return rank_places.collect(alive, state_dir, hung=False, stop=stop)[0]
-
-            culprit = blame.find_culprit(workers, state_dir, places_of)
-            if culprit is not None:
-                outcome.blame(culprit, state_dir)
-            if node.multi_node and outcome.victim:
-                return _cause_elsewhere(outcome, node, live, signals, cfg.node_timeout)
-            return outcome
-        if CONSOLE.closed:
-            return report.Outcome.launcher_failure(f"{CONSOLE.closed}; the job is stopped")
-        if live.abort is not None and (live.abort.node != node.group_rank or live.abort.membership):
-            return report.Outcome.other_node(live.abort)
-        if live.lost:
-            return report.Outcome.node_lost(live.lost)
-        if all(w.exit_code == 0 for w in workers):
-            return report.Outcome.success()
-        if live.hang_asked and not answered_hang:
-            answered_hang = True
-            crossnode.publish_places(node, *rank_places.collect(workers, state_dir))
-        if watch.hung(now):
-            stall = watch.stalled_for(now)
-            return _hang_outcome(node, workers, state_dir, stall, cfg, signals)
-        while watch.notes:
-            _say(watch.notes.pop(0))
-        if watch.waits is not None:
-            waits, watch.waits = watch.waits, None
-            _say(
-                rank_places.long_wait_note(
-                    workers,
-                    state_dir,
-                    waits.waiting,
-                    waits.working,
-                    waits.began,
-                    stop=lambda: signals.count > 0,
-                )
-            )
-        speed.sample(now)
-        while speed.notes:
-            _say(speed.notes.pop(0))
-        if now >= next_init_check:
-            next_init_check = now + 0.5
-            missing = _missing_at_init(workers, state_dir, cfg.init_timeout)
-            if missing:
-                outcome = report.Outcome.launcher_failure(missing)
-                # where the missing ranks are instead: their stacks, as the hang doctor shows
-                absent = [w for w in workers if _absent(w, state_dir)]
-                stop = lambda: signals.count > 0  # noqa: E731
-                outcome.details = rank_places.collect(absent, state_dir, False, stop)[1]
-                return outcome
-        time.sleep(cfg.torchrun.monitor_interval)
-
-
-def _cause_elsewhere(
-    outcome: report.Outcome, node: NodeGroup, live: Liveness, signals: Signals, bound: float
-) -> report.Outcome:
-    """This node's ranks failed only because a peer went away: wait (up to the node timeout)
-    for the other nodes' word on why, and report that instead."""
-    deadline = time.monotonic() + bound + BEAT
-    while time.monotonic() < deadline and not signals.count:
-        if live.abort is not None and (live.abort.node != node.group_rank or live.abort.membership):
-            return report.Outcome.other_node(live.abort)
-        if live.lost:
-            return report.Outcome.node_lost(live.lost)
-        time.sleep(POLL)
-    return outcome
-
-
-def _hang_outcome(
-    node: NodeGroup,
-    workers: list[Worker],
-    state_dir: Path,
-    stall: float,
-    cfg: LaunchConfig,
-    signals: Signals,
-) -> report.Outcome:
-    """The hang report; Ctrl+C or SIGTERM while it is collected cuts its waits short, so the
-    launcher still ends within its grace."""
-
-    def stop() -> bool:
-        return signals.count > 0
-
-    if not node.multi_node:
-        line, details = rank_places.describe(workers, state_dir, stall, stop=stop)
-    else:
-        crossnode.ask_places(node)
-        places, details = rank_places.collect(workers, state_dir, stop=stop)
-        every, hosts, details = crossnode.collect_places(
-            node, places, details, cfg.nproc_per_node, stop=stop
-        )
-        line = crossnode.hang_line(every, hosts, stall)
-    if stop():
-        name = signal.Signals(signals.last).name
-        return report.Outcome.interrupted_by(name, 128 + signals.last)
-    return report.Outcome.hang(line, details, cfg.hang_timeout)
-
-
-ERROR_EXIT_WAIT = 3.0
-
-
-def _errored(workers: list[Worker], state_dir: Path, now: float) -> list[Worker]:
-    """Ranks that recorded an uncaught error but have not exited ERROR_EXIT_WAIT s later (e.g.
-    stuck tearing down NCCL while a peer waits in a collective): failed all the same."""
-    stuck = []
-    for w in workers:
-        if w.exit_code is not None:
-            continue
-        error = protocol.state_path(state_dir, w.rank, protocol.ERROR)
-        try:
-            written = error.stat().st_mtime
-        except OSError:
-            continue
-        if time.time() - written > ERROR_EXIT_WAIT:
-            record = protocol.read_error(state_dir, w.rank)
-            code = record.exit_code if record and record.exit_code is not None else 1
-            w.exit_code, w.ended_wall = code, written  # the code the rank meant to exit with
-            stuck.append(w)
-    return stuck
-
-
-def _missing_at_init(workers: list[Worker], state_dir: Path, timeout: float) -> str | None:
-    """A verdict when some ranks have waited in init_process_group for `timeout` s while
-    others never got there."""
-    phases = {w.rank: protocol.read_phase(state_dir, w.rank) for w in workers}
-    waiting = {r: t for r, (p, t) in phases.items() if p == "init"}
-    if not waiting:
-        return None
-    absent = [w.rank for w in workers if _absent(w, state_dir, phases[w.rank][0])]
-    waited = time.time() - min(waiting.values())
-    if not absent or waited < timeout:
-        return None
-    return (
-        f"rank {ranks_text(absent)} never reached init_process_group; rank "
-        f"{ranks_text(sorted(waiting))} waited {waited:.0f} s for it "
-        f"(--init-timeout {timeout:g})"
-    )
-
-
-def _absent(w: Worker, state_dir: Path, phase: str | None = None) -> bool:
-    """A live rank that has not reached init_process_group."""
-    phase = phase or protocol.read_phase(state_dir, w.rank)[0]
-    return phase in ("starting", "started") and w.exit_code is None
-
-
 def _become_subreaper() -> None:
     """Orphans of our workers re-parent to the launcher (not init), so none escapes notice."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def _start_watchdog(run_id: str, grace: float) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ddpkit.launch.watchdog",
-            run_id,
-            str(min(grace, 1.0)),
-            str(os.getpid()),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-        env={k: v for k, v in os.environ.items() if k not in protocol.WORKER_VARIABLES},
-    )
-
-
-def _tell_watchdog(watchdog: subprocess.Popen[bytes], line: str) -> None:
-    with contextlib.suppress(OSError):
-        assert watchdog.stdin is not None
-        watchdog.stdin.write(line.encode() + b"\n")
-        watchdog.stdin.flush()
-
-
-def _finish_watchdog(watchdog: subprocess.Popen[bytes]) -> None:
-    _tell_watchdog(watchdog, "done")
-    with contextlib.suppress(OSError):
-        assert watchdog.stdin is not None
-        watchdog.stdin.close()
-    try:
-        watchdog.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        watchdog.kill()
-        watchdog.wait()
 
 
 def _say(text: str, prefix: str = "ddpkit: ") -> None:

@@ -10,8 +10,13 @@ SIGTERM) is terminated, then killed.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import sys
+
+from ddpkit.common import protocol
 
 
 def main(run_id: str, grace: float, launcher_pid: int) -> int:
@@ -27,6 +32,40 @@ def main(run_id: str, grace: float, launcher_pid: int) -> int:
 
     terminate(processes_of_job(run_id, launcher_pid), grace, groups=groups)
     return 0
+
+
+# -- the launcher's side -------------------------------------------------------------------
+
+
+def start(run_id: str, grace: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit.launch.watchdog", run_id, str(min(grace, 1.0)),
+         str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        env={k: v for k, v in os.environ.items() if k not in protocol.WORKER_VARIABLES},
+    )  # fmt: skip
+
+
+def tell(watchdog: subprocess.Popen[bytes], line: str) -> None:
+    with contextlib.suppress(OSError):
+        assert watchdog.stdin is not None
+        watchdog.stdin.write(line.encode() + b"\n")
+        watchdog.stdin.flush()
+
+
+def finish(watchdog: subprocess.Popen[bytes]) -> None:
+    """The launcher cleaned up itself: the watchdog ends without touching anything."""
+    tell(watchdog, "done")
+    with contextlib.suppress(OSError):
+        assert watchdog.stdin is not None
+        watchdog.stdin.close()
+    try:
+        watchdog.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.launch.wait import Wait
 
 
 def _paths(state_dir: Path, rank: int | str, full: bool = True) -> tuple[Path, Path]:
@@ -38,24 +37,24 @@ def ready_file(state_dir: Path, rank: int | str) -> Path:
     return protocol.state_path(state_dir, rank, protocol.FLIGHT_READY)
 
 
-def request(
-    ranks: list[int], state_dir: Path, wait: float = 8.0, stop: Callable[[], bool] = bool
-) -> dict[int, Any]:
-    """Launcher side: rank -> the unpickled dump, for the ranks that answered in time (before
-    `wait` s passed, or `stop()` said to give up)."""
+def request(ranks: list[int], state_dir: Path, wait: Wait, seconds: float = 8.0) -> dict[int, Any]:
+    """Launcher side: rank -> the unpickled dump, for the ranks that answered in time (within
+    `seconds`, or before `wait` gave up)."""
     for rank in ranks:
         request_file, out = _paths(state_dir, rank)
         out.unlink(missing_ok=True)
         request_file.touch()
     dumps: dict[int, Any] = {}
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and len(dumps) < len(ranks) and not stop():
-        time.sleep(0.1)
+
+    def read_answers() -> bool:
         for rank in ranks:
             out = _paths(state_dir, rank)[1]
             if rank not in dumps and out.exists():
                 with contextlib.suppress(Exception):
                     dumps[rank] = pickle.loads(out.read_bytes())  # noqa: S301 - our own ranks
+        return len(dumps) == len(ranks)
+
+    wait.until(read_answers, seconds, poll=0.1)
     return dumps
 
 

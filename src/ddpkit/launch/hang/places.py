@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,16 @@ from ddpkit.common import protocol
 from ddpkit.common.frames import is_bootstrap, is_framework, is_library, torch_module
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch.hang import flight
+from ddpkit.launch.wait import Wait
 
 GIL_STALE = 5.0  # seconds without a tick from a live, unstopped rank: C code holds its GIL
 
 
 def dump_stacks(
-    pids: dict[int, int], state_dir: Path, wait: float = 3.0, stop: Callable[[], bool] = bool
+    pids: dict[int, int], state_dir: Path, wait: Wait, seconds: float = 3.0
 ) -> dict[int, str]:
     """Ask each rank (rank -> pid) for its stacks; return rank -> the text it wrote (what came
-    before `wait` s passed or `stop()` said to give up)."""
+    within `seconds`, or before `wait` gave up)."""
     sizes = {}
     for rank, pid in pids.items():
         path = protocol.state_path(state_dir, rank, protocol.STACKS)
@@ -40,9 +40,8 @@ def dump_stacks(
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, protocol.STACKS_SIGNAL)
     texts: dict[int, str] = {}
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and len(texts) < len(pids) and not stop():
-        time.sleep(0.1)
+
+    def read_answers() -> bool:
         for rank in pids:
             path = protocol.state_path(state_dir, rank, protocol.STACKS)
             if rank not in texts and path.exists() and path.stat().st_size > sizes[rank]:
@@ -50,6 +49,9 @@ def dump_stacks(
                 with path.open() as f:
                     f.seek(sizes[rank])
                     texts[rank] = f.read()
+        return len(texts) == len(pids)
+
+    wait.until(read_answers, seconds, poll=0.1)
     return texts
 
 
@@ -218,7 +220,7 @@ def collect(
     workers: list[Any],
     state_dir: Path,
     hung: bool | set[int] = True,
-    stop: Callable[[], bool] = bool,
+    wait: Wait | None = None,
 ) -> tuple[dict[int, tuple[str, str]], str]:
     """Collect stacks and records of this node's ranks: rank -> (what, where), and details:
     each rank's stack, then the evidence beside it (its progress record, its flight recorder).
@@ -233,13 +235,14 @@ def collect(
     # a stopped rank answers nothing, and one stuck holding the GIL only faulthandler's (C)
     # stack request: nobody waits for answers that cannot come
     answering = {r: pid for r, pid in alive.items() if not _stopped(states[r])}
-    texts = dump_stacks(answering, state_dir, stop=stop)  # stop: a signal cuts the waits short
+    wait = wait or Wait()  # a signal (or a lost peer) cuts the waits short
+    texts = dump_stacks(answering, state_dir, wait)
     served = [
         r
         for r in answering
         if flight.ready_file(state_dir, r).exists() and not (states[r] or "").startswith("holds")
     ]
-    recorded = flight.request(served, state_dir, stop=stop) if served and not stop() else {}
+    recorded = flight.request(served, state_dir, wait) if served and not wait.cancelled else {}
     places, details = {}, []
     for w in workers:
         record = protocol.read_record(state_dir, w.rank)
@@ -280,10 +283,10 @@ def describe(
     state_dir: Path,
     stall: float,
     hung: bool = True,
-    stop: Callable[[], bool] = bool,
+    wait: Wait | None = None,
 ) -> tuple[str, str]:
     """(verdict line, details with per-rank stacks) for this node's ranks."""
-    places, details = collect(workers, state_dir, hung, stop)
+    places, details = collect(workers, state_dir, hung, wait)
     if not hung:
         return verdict(places), details
     return f"no rank made progress for {stall:.0f} s: {verdict(places)}", details
@@ -335,11 +338,11 @@ def long_wait_note(
     waiting: list[int],
     working: list[int],
     began: float,
-    stop: Callable[[], bool] = bool,
+    wait: Wait | None = None,
 ) -> str:
     """What to say, once, when ranks have waited long for others that still work: who waits
     where, who works where, and when the process group's own timeout would end the job."""
-    places, _ = collect(workers, state_dir, hung=set(waiting), stop=stop)
+    places, _ = collect(workers, state_dir, hung=set(waiting), wait=wait)
     waited = time.time() - began
     who = verdict({r: places[r] for r in waiting})
     busy = verdict({r: places[r] for r in working})

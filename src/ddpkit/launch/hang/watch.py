@@ -60,18 +60,16 @@ class Waits:
 class HangWatch:
     """Samples every rank once a second; `hung()` says when no rank progressed for `timeout`."""
 
-    def __init__(
-        self, workers: list[Any], state_dir: Path, timeout: float, nodes: Any = None
-    ) -> None:
+    def __init__(self, workers: list[Any], state_dir: Path, timeout: float, peers: Any) -> None:
         self.workers = workers
         self.state_dir = state_dir
         self.timeout = timeout
         self.ranks = {w.rank: RankState() for w in workers}
         self.next_sample = 0.0
         self.next_flight = 0.0
-        # several nodes: progress is told to `nodes` (a Liveness), and only node 0 decides,
-        # from every node's progress
-        self.nodes = nodes
+        # progress is told to the peers (the other nodes), and only the leading node (node 0,
+        # or the only one) decides, from every node's progress
+        self.peers = peers
         self.notes: list[str] = []  # what the watch saw that the user should know (printed)
         self.waits: Waits | None = None  # a long wait for a working rank, to be described
         self.said_wait = False
@@ -116,14 +114,12 @@ class HangWatch:
                 state.io_since += moved
                 self._say_io(w.rank, state, now)
             state.cpu, state.io, state.record = cpu, io, record
-        if self.nodes is None:
-            if self._local_stall(now) >= self.timeout:
-                return True
-            self._watch_waits(now)
-            return False
         if any(s.last_progress >= now for s in self.ranks.values()):
-            self.nodes.progressed()
-        return self.nodes.node.group_rank == 0 and self.stalled_for(now) >= self.timeout
+            self.peers.progressed()
+        if self.peers.leads and self.stalled_for(now) >= self.timeout:
+            return True
+        self._watch_waits(now)  # this node's ranks, on every node
+        return False
 
     def _watch_waits(self, now: float) -> None:
         """Once per episode: some ranks have made no progress for the wait threshold while
@@ -188,9 +184,8 @@ class HangWatch:
 
     def stalled_for(self, now: float) -> float:
         local = self._local_stall(now)
-        if self.nodes is None:
-            return local
-        return min(local, now - self.nodes.last_remote_progress)
+        remote = self.peers.last_remote_progress()  # None: no other node
+        return local if remote is None else min(local, now - remote)
 
 
 def holds_gil(state_dir: Path, rank: int, record: protocol.Record | None) -> bool:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
 
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.hang.places import verdict
-from ddpkit.launch.peers.liveness import HANG_ASK, Abort, Liveness
+from ddpkit.launch.peers import keys
+from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup, _register, join_rdzv, serves_rendezvous
 from ddpkit.launch.peers.store import StoreUnreachableError
+from ddpkit.launch.wait import Wait
 
 EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
 PLACES_WAIT = 15.0  # how long node 0 waits for the other nodes' stacks in a hang
@@ -31,7 +31,7 @@ def publish_abort(node: NodeGroup, abort: Abort, limit: float) -> None:
     if node.store is None:
         return
     with contextlib.suppress(StoreUnreachableError):
-        node.store.call("set", node.store.key("abort"), abort.to_json(), limit=limit)
+        node.store.call("set", node.store.key(keys.ABORT), abort.to_json(), limit=limit)
 
 
 def finish(node: NodeGroup, live: Liveness) -> None:
@@ -56,19 +56,17 @@ def leave(node: NodeGroup, live: Liveness, wait: float, hurry: bool = False) -> 
             return
     if not (hurry and node.store.unreachable):
         with contextlib.suppress(StoreUnreachableError):
-            done = node.store.key(f"done/{node.group_rank}")
+            done = node.store.key(keys.done(node.group_rank))
             node.store.call("add", done, 1, limit=min(wait, 5))
     if host:
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not live.lost and not _all_done(node):
-            time.sleep(0.1)
+        Wait(lambda: live.lost).until(lambda: _all_done(node), wait, poll=0.1)
         live.stop(0.5)
 
 
 def _all_done(node: NodeGroup) -> bool:
     assert node.store is not None
     try:
-        names = [f"done/{n}" for n in range(node.nnodes)]
+        names = [keys.done(n) for n in range(node.nnodes)]
         return all(node.store.counters(names))
     except StoreUnreachableError:
         return False
@@ -105,15 +103,7 @@ def ask_places(node: NodeGroup) -> None:
     """Node 0: every node, say where your ranks are."""
     if node.store is not None:
         with contextlib.suppress(StoreUnreachableError):
-            node.store.set(HANG_ASK, "1")
-
-
-def publish_places(node: NodeGroup, places: dict[int, tuple[str, str]], details: str) -> None:
-    """Another node's answer to ask_places."""
-    if node.store is not None:
-        record = {"places": {str(r): list(p) for r, p in places.items()}, "details": details}
-        with contextlib.suppress(StoreUnreachableError):
-            node.store.set(f"hang/places/{node.group_rank}", json.dumps(record))
+            node.store.set(keys.HANG_ASK, "1")
 
 
 def collect_places(
@@ -121,23 +111,25 @@ def collect_places(
     own: dict[int, tuple[str, str]],
     own_details: str,
     ranks_per_node: int,
-    stop: Callable[[], bool] = bool,
-) -> tuple[dict[int, tuple[str, str]], dict[int, str], str]:
+    wait: Wait,
+) -> tuple[dict[int, tuple[str, str]], dict[int, str] | None, str]:
     """Node 0: every node's places (rank -> (what, where)), every rank's host, and the details
     text; a node that does not answer within PLACES_WAIT is named as such."""
     places, hosts = dict(own), dict.fromkeys(own, node.host_of(0))
     details = [f"  node 0 ({node.host_of(0)}):", own_details]
     assert node.store is not None
-    deadline = time.monotonic() + PLACES_WAIT
     waiting = set(range(1, node.nnodes))
     answers: dict[int, dict] = {}
-    while waiting and time.monotonic() < deadline and not stop():
+
+    def every_node_answered() -> bool:
         for n in sorted(waiting):
             with contextlib.suppress(StoreUnreachableError):
-                if node.store.has(f"hang/places/{n}"):
-                    answers[n] = json.loads(node.store.get(f"hang/places/{n}"))
+                if node.store is not None and node.store.has(keys.places(n)):
+                    answers[n] = json.loads(node.store.get(keys.places(n)))
                     waiting.discard(n)
-        time.sleep(0.2)
+        return not waiting
+
+    wait.until(every_node_answered, PLACES_WAIT, poll=0.2)
     for n in range(1, node.nnodes):
         first = n * ranks_per_node
         if n in answers:
@@ -150,7 +142,3 @@ def collect_places(
                 hosts[rank] = node.host_of(n)
             details.append(f"  node {n} ({node.host_of(n)}): did not say where its ranks are")
     return places, hosts, "\n".join(details)
-
-
-def hang_line(places: dict[int, tuple[str, str]], hosts: dict[int, str], stall: float) -> str:
-    return f"no rank made progress for {stall:.0f} s: {verdict(places, hosts)}"

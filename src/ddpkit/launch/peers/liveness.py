@@ -24,11 +24,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded
 
 BEAT = 1.0
-HANG_ASK = "hang/ask"
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,10 @@ class Liveness:
         while not self._stop.is_set():
             began = time.monotonic()
             try:
-                store.add(f"beat/{me}", 1)
+                store.add(keys.beat(me), 1)
                 if self._progressed:
                     self._progressed = False
-                    store.add(f"progress/{me}", 1)
+                    store.add(keys.progress(me), 1)
                 if me == 0:
                     self._watch_nodes(store, seen)
                     if self.elastic and self.beats % 2 == 0:
@@ -130,12 +130,12 @@ class Liveness:
                     if self.beats % 2 == 1:
                         self._read_speed(store)
                 elif self.speed_out is not None and self.beats % 2 == 0:
-                    store.set(f"speed/{me}", self.speed_out)
+                    store.set(keys.speed(me), self.speed_out)
                     self.speed_out = None
-                elif not self.hang_asked and store.has(HANG_ASK):
+                elif not self.hang_asked and store.has(keys.HANG_ASK):
                     self.hang_asked = True
-                if self.abort is None and store.has("abort"):
-                    self.abort = Abort.from_json(store.get("abort"))
+                if self.abort is None and store.has(keys.ABORT):
+                    self.abort = Abort.from_json(store.get(keys.ABORT))
                     if self.abort is None and not self._said_forged:
                         self._said_forged = True
                         print(
@@ -163,24 +163,24 @@ class Liveness:
     def _watch_nodes(self, store: BoundedStore, seen: dict[str, tuple[int, float]]) -> None:
         """Node 0: every node's counters in one call; a counter that stopped is a lost node."""
         others = range(1, self.node.nnodes)
-        names = [f"{kind}/{n}" for n in others for kind in ("beat", "progress", "done")]
+        names = [keys.counter(kind, n) for n in others for kind in keys.COUNTERS]
         values = dict(zip(names, store.counters(names), strict=True))
         now = time.monotonic()
         for name, value in values.items():
             last = seen.get(name)
             if last is None or value != last[0]:
                 seen[name] = (value, now)
-                if name.startswith("progress/") and last is not None:
+                if name.startswith(keys.progress(0)[:-1]) and last is not None:
                     self.last_remote_progress = now
         for n in others:
-            if values[f"done/{n}"]:
+            if values[keys.done(n)]:
                 self._done_nodes.add(n)
         if len(self._done_nodes) == self.node.nnodes - 1:
             self.all_done.set()
         for n in others:
             if n in self._done_nodes:
                 continue
-            stalled = now - seen[f"beat/{n}"][1]
+            stalled = now - seen[keys.beat(n)][1]
             if stalled >= self.timeout:
                 self.lost = (
                     f"node {n} ({self.node.host_of(n)}) is gone: its launcher has not answered "
@@ -189,14 +189,14 @@ class Liveness:
                 # the other nodes stop for the same reason, in the same words
                 abort = Abort(0, self.lost, 1, restart=False)
                 try:
-                    store.set("abort", abort.to_json())
+                    store.set(keys.ABORT, abort.to_json())
                 except StoreUnreachableError:
                     pass
                 return
 
     def _read_speed(self, store: BoundedStore) -> None:
         """Node 0: the other nodes' step summaries, in one call where torch has multi_get."""
-        names = [f"speed/{n}" for n in range(1, self.node.nnodes)]
+        names = [keys.speed(n) for n in range(1, self.node.nnodes)]
         present = [n for n in names if store.has(n)]
         for name in present:
             self.speed_in[int(name.split("/")[1])] = store.get(name)
@@ -213,5 +213,5 @@ class Liveness:
             return
         if waiting:
             abort = Abort(0, f"{waiting} node(s) waiting to join", 0, True, membership=True)
-            store.set("abort", abort.to_json())
+            store.set(keys.ABORT, abort.to_json())
             self.abort = abort

@@ -19,17 +19,17 @@ import contextlib
 import json
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit.common.network import address_toward, is_loopback
 from ddpkit.errors import ConfigError, LaunchError
 from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded, serve
 from ddpkit.launch.ports import listen
+from ddpkit.launch.wait import Wait
 
 CALL_LIMIT = 5.0  # seconds any one launcher store call may take once the job runs
 
@@ -69,29 +69,14 @@ class NodeGroup:
     def host_of(self, node: int) -> str:
         return self.hosts[node] if node < len(self.hosts) else f"node {node}"
 
-    def serve_store(self, timeout: float, stop: Callable[[], bool] = lambda: False) -> None:
+    def serve_store(self, timeout: float, wait: Wait) -> None:
         """On one node: turn the held port into the workers' store (once). The store's own
         client dials it on loopback (the port listens there whatever --master-addr is); the
-        call runs on a thread, so a signal is answered while it does (`stop` says when to
-        give up waiting)."""
+        call runs on a thread, so a signal is answered while it does."""
         if self.server is not None or self.held is None:
             return
         held, self.held = self.held, None
-        box: dict[str, Any] = {}
-
-        def make() -> None:
-            try:
-                box["server"] = serve(held, "127.0.0.1", timeout)
-            except BaseException as err:  # handed to the caller
-                box["error"] = err
-
-        thread = threading.Thread(target=make, daemon=True, name="ddpkit-serve-store")
-        thread.start()
-        while thread.is_alive() and not stop():
-            thread.join(0.05)
-        if "error" in box:
-            raise box["error"]
-        self.server = box.get("server")
+        _, self.server = wait.call(lambda: serve(held, "127.0.0.1", timeout), timeout + 5)
 
     def close(self) -> None:
         if self.held is not None:
@@ -205,49 +190,55 @@ def _serve_job_store(node: NodeGroup, cfg: LaunchConfig, addr: str) -> None:
 
 def _register(node: NodeGroup, cfg: LaunchConfig, deadline: float) -> None:
     """Connect to the job's store and say who this node is; wait until every node has."""
-    prefix = f"ddpkit/{node.round}/"
+    prefix = keys.round_prefix(node.round)
     where = f"{node.master_addr}:{node.master_port}"
     host = socket.gethostname()
     store = BoundedStore(node.store_addr, node.master_port, CALL_LIMIT, prefix)
     me = json.dumps({"host": host, "pid": os.getpid()})
-    while True:
+    seconds = max(0.0, deadline - time.monotonic())
+    failure: list[StoreUnreachableError] = []
+
+    def registered() -> bool:
         try:
-            store.call("set", store.key(f"node/{node.group_rank}"), me, limit=_left(deadline))
-            break
+            mine = store.key(keys.registration(node.group_rank))
+            store.call("set", mine, me, limit=_left(deadline))
+            return True
         except StoreUnreachableError as err:
-            if time.monotonic() >= deadline:
-                raise LaunchError(
-                    f"node {node.group_rank} ({host}) cannot reach the job's store at {where} "
-                    f"within --init-timeout {cfg.init_timeout:g} s: {_cause(err)}",
-                    fix=f"check that {host} can reach {where} (address, firewall, interface); "
-                    "node 0 publishes the address the other nodes reach it by: set it with "
-                    "--master-addr (or --local-addr) on node 0 if it is not",
-                ) from err
-            time.sleep(0.5)
+            failure[:] = [err]
+            return False
+
+    if not Wait().until(registered, seconds, poll=0.5).done:
+        raise LaunchError(
+            f"node {node.group_rank} ({host}) cannot reach the job's store at {where} "
+            f"within --init-timeout {cfg.init_timeout:g} s: {_cause(failure[-1])}",
+            fix=f"check that {host} can reach {where} (address, firewall, interface); "
+            "node 0 publishes the address the other nodes reach it by: set it with "
+            "--master-addr (or --local-addr) on node 0 if it is not",
+        ) from (failure[-1] if failure else None)
     if node.group_rank == 0:
-        store.set("run_id", cfg.run_id)
+        store.set(keys.RUN_ID, cfg.run_id)
         for other in range(node.nnodes):  # counters exist before anyone reads them
-            for counter in ("beat", "progress", "done"):
-                store.add(f"{counter}/{other}", 0)
-        store.set("ready", "1")
+            for kind in keys.COUNTERS:
+                store.add(keys.counter(kind, other), 0)
+        store.set(keys.READY, "1")
     missing = list(range(node.nnodes))
-    while missing:
-        try:
-            missing = [n for n in missing if not store.has(f"node/{n}")]
-        except StoreUnreachableError:
-            pass
-        if missing and time.monotonic() >= deadline:
-            who = ", ".join(f"node {n}" for n in missing)
-            raise LaunchError(
-                f"{who} never reached the job's store at {where} within --init-timeout "
-                f"{cfg.init_timeout:g} s",
-                fix=f"start `ddpkit run` on every node; check that each can reach {where}",
-            )
-        if missing:
-            time.sleep(0.2)
-    hosts = [json.loads(store.get(f"node/{n}"))["host"] for n in range(node.nnodes)]
-    node.run_id = store.get("run_id", limit=_left(deadline))
-    store.get("ready", limit=_left(deadline))
+
+    def every_node_registered() -> bool:
+        nonlocal missing
+        with contextlib.suppress(StoreUnreachableError):
+            missing = [n for n in missing if not store.has(keys.registration(n))]
+        return not missing
+
+    if not Wait().until(every_node_registered, max(0.0, deadline - time.monotonic()), 0.2).done:
+        who = ", ".join(f"node {n}" for n in missing)
+        raise LaunchError(
+            f"{who} never reached the job's store at {where} within --init-timeout "
+            f"{cfg.init_timeout:g} s",
+            fix=f"start `ddpkit run` on every node; check that each can reach {where}",
+        )
+    hosts = [json.loads(store.get(keys.registration(n)))["host"] for n in range(node.nnodes)]
+    node.run_id = store.get(keys.RUN_ID, limit=_left(deadline))
+    store.get(keys.READY, limit=_left(deadline))
     node.hosts, node.store = hosts, store
 
 

@@ -87,13 +87,14 @@ class SpeedWatch:
         threshold: float = DEFAULT_THRESHOLD,
         window: int = DEFAULT_WINDOW,
         host: str = "",
-        live: Any = None,
-        node_rank: int = 0,
+        peers: Any = None,
     ) -> None:
         self.state_dir, self.run_dir = state_dir, run_dir
         self.threshold, self.window = threshold, window
         self.host = host or os.uname().nodename
-        self.live, self.node_rank = live, node_rank  # several nodes: the liveness thread
+        from ddpkit.launch.peers.peers import NoPeers
+
+        self.peers = peers if peers is not None else NoPeers()  # the job's other nodes
         self.tracks = {w.rank: Track(w.rank, w.proc.pid, window) for w in workers}
         self.episodes = straggler.Episodes(threshold)
         self.notes: list[str] = []
@@ -187,13 +188,12 @@ class SpeedWatch:
         mine = self.local_summaries()
         for s in mine:
             self.summaries[s.rank] = s
-        if self.live is not None and self.node_rank != 0:
-            self.live.speed_out = json.dumps([asdict(s) for s in mine])
+        if not self.peers.leads:  # node 0 decides, from every node's summaries
+            self.peers.send_speed(json.dumps([asdict(s) for s in mine]))
             return
-        if self.live is not None:
-            for text in list(self.live.speed_in.values()):
-                for item in json.loads(text):
-                    self.summaries[int(item["rank"])] = RankSummary(**item)
+        for text in self.peers.speed_from_others():
+            for item in json.loads(text):
+                self.summaries[int(item["rank"])] = RankSummary(**item)
         if self.threshold <= 0:
             return
         every = list(self.summaries.values())

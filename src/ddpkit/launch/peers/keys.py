@@ -1,0 +1,47 @@
+"""Every key the nodes of one job use in its store, in one place. Each round's keys live under
+`round_prefix(round)` (a restart is a new round on the same store, with static nodes).
+
+Who writes what: every node its own `beat/N`, `progress/N` and `done/N` counters, its
+`node/N` registration and, when asked, its `places/N` (a hang) and `speed/N` (step
+summaries); node 0 `run_id`, `ready` and the `hang/ask` question; any node the `abort` record
+(why the job stops, signed with the job's token)."""
+
+from __future__ import annotations
+
+ABORT = "abort"
+HANG_ASK = "hang/ask"
+RUN_ID = "run_id"
+READY = "ready"
+COUNTERS = ("beat", "progress", "done")  # per node, made by node 0 before anyone reads them
+
+
+def round_prefix(round: int) -> str:
+    return f"ddpkit/{round}/"
+
+
+def beat(node: int) -> str:
+    return f"beat/{node}"
+
+
+def progress(node: int) -> str:
+    return f"progress/{node}"
+
+
+def done(node: int) -> str:
+    return f"done/{node}"
+
+
+def registration(node: int) -> str:
+    return f"node/{node}"
+
+
+def places(node: int) -> str:
+    return f"hang/places/{node}"
+
+
+def speed(node: int) -> str:
+    return f"speed/{node}"
+
+
+def counter(kind: str, node: int) -> str:
+    return f"{kind}/{node}"

@@ -1,0 +1,188 @@
+"""One interface for what a node's launcher says to the job's other nodes and hears from them,
+for one round: `NodePeers` over the job's store (several nodes), `NoPeers` for a job of one
+node, where there is nobody to tell and nobody to lose. The supervisor, the hang watch and the
+speed watch talk to a `Peers` and never ask how many nodes there are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Protocol
+
+from ddpkit.launch.peers import crossnode, keys
+from ddpkit.launch.peers.liveness import Abort, Liveness
+from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
+from ddpkit.launch.peers.store import StoreUnreachableError
+from ddpkit.launch.wait import Wait
+
+Places = dict[int, tuple[str, str]]
+
+
+class Peers(Protocol):
+    multi_node: bool
+    leads: bool  # this node speaks for the job (node 0, or the only node): hangs, stragglers
+
+    def start(self) -> None: ...
+    def word(self) -> Abort | None: ...  # another node stopped the job (or nodes join)
+    def lost(self) -> str | None: ...  # another node is gone (or node 0, to this one)
+    def hang_asked(self) -> bool: ...  # node 0 asks where this node's ranks are
+    def progressed(self) -> None: ...  # a rank of this node made progress
+    def last_remote_progress(self) -> float | None: ...  # any other node's, monotonic
+    def publish_abort(self, abort: Abort, hurry: bool) -> None: ...
+    def answer_places(self, places: Places, details: str) -> None: ...
+    def places_everywhere(
+        self, own: Places, details: str, ranks_per_node: int, wait: Wait
+    ) -> tuple[Places, dict[int, str] | None, str]: ...
+    def send_speed(self, summaries: str) -> None: ...
+    def speed_from_others(self) -> list[str]: ...
+    def leave(self, seconds: float, hurry: bool) -> None: ...
+    def finish(self) -> None: ...
+    def debug_line(self) -> str: ...
+
+
+class NoPeers:
+    """A job of one node."""
+
+    multi_node = False
+    leads = True
+
+    def start(self) -> None:
+        pass
+
+    def word(self) -> Abort | None:
+        return None
+
+    def lost(self) -> str | None:
+        return None
+
+    def hang_asked(self) -> bool:
+        return False
+
+    def progressed(self) -> None:
+        pass
+
+    def last_remote_progress(self) -> float | None:
+        return None
+
+    def publish_abort(self, abort: Abort, hurry: bool) -> None:
+        pass
+
+    def answer_places(self, places: Places, details: str) -> None:
+        pass
+
+    def places_everywhere(
+        self, own: Places, details: str, ranks_per_node: int, wait: Wait
+    ) -> tuple[Places, dict[int, str] | None, str]:
+        return own, None, details
+
+    def send_speed(self, summaries: str) -> None:
+        pass
+
+    def speed_from_others(self) -> list[str]:
+        return []
+
+    def leave(self, seconds: float, hurry: bool) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def debug_line(self) -> str:
+        return ""
+
+
+class NodePeers:
+    """The job's other nodes, through its store on node 0 (every call bounded) and the beat
+    thread (`Liveness`)."""
+
+    multi_node = True
+
+    def __init__(self, node: NodeGroup, live: Liveness) -> None:
+        self.node = node
+        self.live = live
+        self.leads = node.group_rank == 0
+        self._answered = False
+
+    def start(self) -> None:
+        self.live.start()
+
+    def word(self) -> Abort | None:
+        abort = self.live.abort
+        if abort is not None and (abort.node != self.node.group_rank or abort.membership):
+            return abort
+        return None
+
+    def lost(self) -> str | None:
+        return self.live.lost
+
+    def hang_asked(self) -> bool:
+        """Once per round: node 0 asked where this node's ranks are."""
+        if self.live.hang_asked and not self._answered:
+            self._answered = True
+            return True
+        return False
+
+    def progressed(self) -> None:
+        self.live.progressed()
+
+    def last_remote_progress(self) -> float | None:
+        return self.live.last_remote_progress
+
+    def publish_abort(self, abort: Abort, hurry: bool) -> None:
+        crossnode.publish_abort(self.node, abort, 0.5 if hurry else CALL_LIMIT)
+
+    def answer_places(self, places: Places, details: str) -> None:
+        if self.node.store is not None:
+            record = {"places": {str(r): list(p) for r, p in places.items()}, "details": details}
+            with contextlib.suppress(StoreUnreachableError):
+                self.node.store.set(keys.places(self.node.group_rank), json.dumps(record))
+
+    def places_everywhere(
+        self, own: Places, details: str, ranks_per_node: int, wait: Wait
+    ) -> tuple[Places, dict[int, str] | None, str]:
+        """Node 0: every node's places, asked for and collected (crossnode.collect_places)."""
+        crossnode.ask_places(self.node)
+        return crossnode.collect_places(self.node, own, details, ranks_per_node, wait)
+
+    def send_speed(self, summaries: str) -> None:
+        if self.node.group_rank != 0:
+            self.live.speed_out = summaries
+
+    def speed_from_others(self) -> list[str]:
+        return list(self.live.speed_in.values())
+
+    def leave(self, seconds: float, hurry: bool) -> None:
+        crossnode.leave(self.node, self.live, seconds, hurry=hurry)
+
+    def finish(self) -> None:
+        crossnode.finish(self.node, self.live)
+
+    def debug_line(self) -> str:
+        return f"liveness: {self.live.beats} beats, longest gap {self.live.longest_gap:.2f} s"
+
+
+def peers_of(node: NodeGroup, node_timeout: float, elastic: bool) -> Peers:
+    """This round's peers: a beat thread over the store for several nodes (or an elastic job of
+    one node so far, which watches for nodes that want to join), none for one node."""
+    if not node.multi_node and not (elastic and node.store is not None):
+        return NoPeers()
+    return NodePeers(node, Liveness(node, node_timeout, elastic=elastic))
+
+
+def wait_for_word(peers: Peers, wait: Wait, seconds: float) -> Abort | str | None:
+    """This node's ranks failed only because a peer went away: wait (up to `seconds`) for the
+    other nodes' word on why (their abort, or a lost node)."""
+    found: list[Abort | str] = []
+
+    def heard() -> bool:
+        said = peers.word() or peers.lost()
+        if said is not None:
+            found.append(said)
+        return bool(found)
+
+    wait.until(heard, seconds)
+    return found[0] if found else None
+
+
+__all__ = ["NoPeers", "NodePeers", "Peers", "peers_of", "wait_for_word"]
