@@ -38,7 +38,7 @@ def one(s, variant: str, batch: int, steps: int) -> dict:
     with torch.device(s.device):
         model, make = gpt(layers=12, width=768, heads=12, seq=1024)
     if sharded:
-        model = sharding.shard(model, True, s.device, precision, 1)
+        model = sharding.shard(model, True, s.place, precision)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
     x, y = make(batch, s.device)
 

@@ -44,13 +44,13 @@ def train(m, s, steps=30):
 with ddpkit.setup(seed=0, precision="fp32") as s:
     plain, _ = train(s.wrap(model()), s)
     if s.world_size == 1:  # force FSDP2 on a mesh of this one GPU
-        sharded_model = sharding.shard(model().to(s.device), True, s.device, "fp32", 1)
+        sharded_model = sharding.shard(model().to(s.device), True, s.place, "fp32")
     else:
         sharded_model = s.wrap(model(), shard=True)
     assert sharding.is_sharded(sharded_model)
     sharded, opt = train(sharded_model, s)
     s.save_state(sys.argv[1], model=sharded_model, optimizer=opt)
-    fresh = sharding.shard(model().to(s.device), True, s.device, "fp32", s.world_size)
+    fresh = sharding.shard(model().to(s.device), True, s.place, "fp32")
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     assert s.load_state(sys.argv[1], model=fresh, optimizer=opt2, rng=False)
     a, b = s.full_state_dict(sharded_model), s.full_state_dict(fresh)

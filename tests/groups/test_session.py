@@ -361,9 +361,10 @@ def test_wrap_refuses_bf16_compression_on_gloo_with_the_fix(tmp_path):
 def test_wrap_compile_returns_a_compiled_model_that_unwrap_sees_through():
     import ddpkit
     from ddpkit.env import DistEnv
+    from ddpkit.train.placement import Placement
     from ddpkit.train.session import Session
 
-    s = Session(DistEnv(), "gloo", torch.device("cpu"), 0, owns_group=False)
+    s = Session(DistEnv(), Placement(), owns_group=False)
     inner = nn.Linear(2, 2)
     compiled = s.wrap(inner, compile=True)
     assert compiled is not inner

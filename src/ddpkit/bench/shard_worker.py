@@ -58,7 +58,7 @@ def trial(s: Any, variant: str, layers: int, cfg: dict[str, Any]) -> dict[str, A
         if variant == "ddp":
             model = s.wrap(model)
         elif s.world_size == 1 and cfg.get("force"):
-            model = sharding.shard(model.to(s.device), True, s.device, "bf16", 1)
+            model = sharding.shard(model.to(s.device), True, s.place, "bf16")
         else:
             model = s.wrap(model, shard=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=s.device.type == "cuda")

@@ -44,8 +44,9 @@ RANK = os.environ.get("RANK", "0")
 
 def set_phase(phase: str) -> None:
     """Record this rank's phase (started / init / ready) for the launcher."""
-    if STATE_DIR:
-        protocol.write_phase(STATE_DIR, RANK, phase)
+    from ddpkit.rank.progress import set_phase as tell
+
+    tell(phase)
 
 
 def tie_to_launcher() -> None:

@@ -1,6 +1,8 @@
-"""This rank's progress record (the format is `ddpkit.common.protocol.Record`): written by the
-bootstrap's collective wrappers and beaten by ddpkit's helpers, read by the launcher's hang
-watch. Outside a worker of `ddpkit run` every call here does nothing."""
+"""What this rank tells the launcher, the one way the library and the bootstrap do it: its
+progress record (the format is `ddpkit.common.protocol.Record`: written by the bootstrap's
+collective wrappers, beaten by ddpkit's helpers and its tick thread, read by the launcher's hang
+watch), its phase (started, init, ready) and whether it reads s.stop_requested (graceful).
+Outside a worker of `ddpkit run` every call here does nothing."""
 
 from __future__ import annotations
 
@@ -51,3 +53,29 @@ def start_ticking() -> None:
             time.sleep(protocol.TICK_EVERY)
 
     threading.Thread(target=tick, daemon=True, name="ddpkit-tick").start()
+
+
+def _state_dir() -> tuple[str, str] | None:
+    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK", "0")
+    return (state_dir, rank) if state_dir else None
+
+
+def set_phase(phase: str) -> None:
+    """Where this rank is in start-up: started, init (waiting for its peers), ready."""
+    where = _state_dir()
+    if where is not None:
+        try:
+            protocol.write_phase(where[0], where[1], phase)
+        except OSError:
+            pass
+
+
+def mark_graceful() -> None:
+    """This rank reads s.stop_requested: after forwarding a stop signal the launcher gives it
+    time to save before it kills."""
+    where = _state_dir()
+    if where is not None:
+        try:
+            protocol.state_path(where[0], where[1], protocol.GRACEFUL).touch()
+        except OSError:
+            pass

@@ -20,6 +20,28 @@ from typing import Any
 import torch
 
 from ddpkit.errors import CheckpointError
+from ddpkit.train.placement import Placement
+
+
+def save(obj: Any, path: str | os.PathLike[str], place: Placement) -> None:
+    """Collective: rank 0 writes `obj` atomically; every rank returns once it is on disk
+    (or every rank raises if writing failed)."""
+    from ddpkit.train import comm, sharding
+
+    error = None
+    if sharding.has_dtensors(obj):  # a sharded state_dict(): every rank gives its shards
+        obj = sharding.full_tensors(obj)
+    if place.is_main:
+        try:
+            write_atomic(obj, path)
+        except Exception as err:  # torch.save says ENOSPC as a RuntimeError
+            error = f"{path}: {why(err)}"
+    error = comm.broadcast(error, place)
+    if error is not None:
+        raise CheckpointError(
+            f"rank 0 could not write the checkpoint {error}",
+            fix="check free space and permissions of that folder",
+        )
 
 
 def write_atomic(obj: Any, path: str | os.PathLike[str]) -> Path:

@@ -1,4 +1,5 @@
-"""Collectives on plain Python values: `reduce` and `gather` over every rank.
+"""Collectives on plain Python values: `reduce` and `gather` over every rank, `broadcast` from
+rank 0, `barrier`.
 
 They take floats, ints, tensors and dicts (or lists/tuples) of them, return the same structure
 on every rank, and work at world size 1 without a process group. Tensors of different shapes on
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import ConfigError
+from ddpkit.train.placement import Placement
 
 _MAX_DIMS = 8
 _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
@@ -22,7 +24,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def reduce(value: Any, device: torch.device, op: str = "mean") -> Any:
+def reduce(value: Any, place: Placement, op: str = "mean") -> Any:
     """All-reduce `value` (number, tensor, or a dict/list/tuple of them) with op
     sum | mean | max | min; every rank gets the result, in the structure it passed."""
     if op not in _OPS:
@@ -35,6 +37,7 @@ def reduce(value: Any, device: torch.device, op: str = "mean") -> Any:
     if not leaves:
         return value
     # One collective for the whole structure: every leaf flattened into one float64 vector.
+    device = place.comm_device
     parts = [
         torch.as_tensor(x).detach().reshape(-1).to(device=device, dtype=torch.float64)
         for x in leaves
@@ -61,13 +64,14 @@ def reduce(value: Any, device: torch.device, op: str = "mean") -> Any:
     return _rebuild(value, iter(results))
 
 
-def gather(value: Any, device: torch.device) -> list[Any]:
+def gather(value: Any, place: Placement) -> list[Any]:
     """Every rank's `value`, in rank order, on every rank. Tensors (any shape per rank, same
     dtype and number of dimensions) travel as tensors and land on this rank's device; other
     objects are pickled."""
     world = _world()
     if world == 1:
         return [value]
+    device = place.comm_device
     if not isinstance(value, torch.Tensor):
         out: list[Any] = [None] * world
         dist.all_gather_object(out, value)
@@ -96,6 +100,23 @@ def gather(value: Any, device: torch.device) -> list[Any]:
     chunks = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(chunks, padded)
     return [c[:n].reshape(sz) for c, n, sz in zip(chunks, numels, sizes, strict=True)]
+
+
+def broadcast(value: Any, place: Placement) -> Any:
+    """Rank 0's `value` (anything picklable) on every rank."""
+    if place.alone or not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=place.comm_device)
+    return box[0]
+
+
+def barrier(place: Placement) -> None:
+    if dist.is_initialized() and not place.alone:
+        if place.device.type == "cuda":
+            dist.barrier(device_ids=[place.device.index])
+        else:
+            dist.barrier()
 
 
 def _flatten(value: Any, out: list[Any]) -> None:

@@ -26,12 +26,14 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ddpkit.errors import ConfigError
+from ddpkit.train.placement import Placement
 
 DDP_WARMUP = 11  # DDP's eager iterations before capture (PyTorch's CUDA-graphs notes)
 ASYNC_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -184,11 +186,10 @@ def capture(
     inputs: Sequence[Any],
     optimizers: Sequence[torch.optim.Optimizer],
     models: Sequence[torch.nn.Module],
-    device: torch.device,
-    backend: str,
-    world_size: int,
+    place: Placement,
     warmup: int,
 ) -> GraphedStep | EagerStep:
+    device, backend, world_size = place.device, place.backend, place.world_size
     if device.type != "cuda":
         return EagerStep(fn, "CUDA graphs need a GPU and this rank runs on the CPU")
     check_setup(backend, world_size)
@@ -283,3 +284,22 @@ class _quiet_stream_mismatch:  # noqa: N801 - a context manager, named as one
     def __exit__(self, *exc: object) -> None:
         if self.setter is not None:
             self.setter(True)
+
+
+class Captured:
+    """The graphed steps a session made (held weakly), released together at its close."""
+
+    def __init__(self) -> None:
+        self._steps: list[weakref.ref[Any]] = []
+
+    def add(self, step: Any) -> None:
+        self._steps.append(weakref.ref(step))
+
+    def release(self) -> bool:
+        """Free every graph still alive (they hold NCCL work); True if there were any."""
+        steps = [ref() for ref in self._steps]
+        self._steps = []
+        for step in steps:
+            if step is not None:
+                step.release()
+        return any(step is not None for step in steps)

@@ -4,7 +4,6 @@ waits). Used by `ddpkit.train.session.setup`."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -18,6 +17,7 @@ from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
 from ddpkit.env import DistEnv, check_gpu_fit
 from ddpkit.errors import ConfigError, EnvError, InitTimeoutError
+from ddpkit.train.placement import Placement
 
 BACKENDS = ("auto", "nccl", "gloo")
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: longer is a typo, and torch's timers overflow on inf
@@ -140,10 +140,9 @@ def rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
     not, within init_timeout)."""
     if env.world_size == 1 and env.launcher == "none":
         return dist.HashStore()
-    state_dir = os.environ.get(protocol.STATE_DIR)
-    if state_dir:  # the launcher's init watch starts now: it names who never arrives
-        with contextlib.suppress(OSError):
-            protocol.write_phase(state_dir, env.rank, "init")
+    from ddpkit.rank import progress
+
+    progress.set_phase("init")  # the launcher's init watch starts now: it names who never arrives
     # Under ddpkit run / torchrun the launcher holds the store; otherwise rank 0 does.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_server = env.rank == 0 and not agent_store
@@ -188,3 +187,22 @@ def rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
             "why the missing ranks stopped before setup()",
         ) from None
     return dist.PrefixStore(f"ddpkit/pg/{attempt}", store)
+
+
+def leave(place: Placement, failed: bool, graphed: bool) -> None:
+    """Destroy the process group this process created. After a failure the peers are not
+    expected at a barrier, so gloo is not drained; NCCL is aborted where destroying would wait
+    for work peers will never finish, or for communicators a CUDA graph captured (measured:
+    destroy never returned)."""
+    if not dist.is_initialized():
+        return
+    if place.backend == "gloo" and not place.alone and not failed:
+        drain_gloo()
+    elif place.backend == "gloo" and not place.alone:
+        settle_gloo()  # the peers may be gone: no barrier, but no deadlock
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    ends_hard = failed or graphed
+    if ends_hard and place.backend == "nccl" and not place.alone and abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from ddpkit.rank import steps
+from ddpkit.train.placement import Placement
 
 
 class EvalSampler(Sampler[int]):
@@ -197,16 +198,15 @@ class EpochLoader(DataLoader):
 def make_loader(
     dataset: Dataset,
     batch_size: int,
-    rank: int,
-    world_size: int,
-    seed: int,
+    place: Placement,
     shuffle: bool = True,
     eval: bool = False,
-    to_device: torch.device | None = None,
+    to_device: bool = False,
     seeded: bool = True,
     **kwargs: Any,
 ) -> EpochLoader:
     """A DataLoader for this rank's share of `dataset`; kwargs go to DataLoader."""
+    rank, world_size, seed = place.rank, place.world_size, place.seed
     shuffle = shuffle and not eval
     drop_last = bool(kwargs.pop("drop_last", False))
     sampler = kwargs.pop("sampler", None)
@@ -231,7 +231,7 @@ def make_loader(
     kwargs.setdefault("generator", torch.Generator().manual_seed(_mix(seed, rank)))
     kwargs["worker_init_fn"] = _seed_worker(kwargs.get("worker_init_fn"))
     loader = EpochLoader(dataset, batch_size=batch_size, drop_last=drop_last, **kwargs)
-    loader.to_device = to_device
+    loader.to_device = place.device if to_device else None
     return loader
 
 

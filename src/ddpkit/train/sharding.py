@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
+from ddpkit.train.placement import Placement
 
 NEEDS = (2, 6)
 NEEDS_ON_GLOO = (2, 11)
@@ -102,18 +103,12 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def shard(
-    model: nn.Module,
-    choice: Choice,
-    device: torch.device,
-    precision: str,
-    world_size: int,
-) -> nn.Module:
+def shard(model: nn.Module, choice: Choice, place: Placement, precision: str) -> nn.Module:
     """fully_shard each unit, then the root, on a 1-D mesh of every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = init_device_mesh(place.device.type, (place.world_size,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if precision == "bf16"
@@ -124,6 +119,58 @@ def shard(
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     return model
+
+
+def shard_for_session(
+    model: nn.Module,
+    choice: Choice,
+    place: Placement,
+    precision: str,
+    graphs: bool,
+    compress: str | None,
+    ddp_kwargs: dict[str, Any],
+) -> nn.Module:
+    """s.wrap(shard=...): the model on this rank's device, sharded with FSDP2 when the job has
+    more than one process; what cannot go with sharding is refused with the reason."""
+    if compress is not None or ddp_kwargs:
+        given = ", ".join([*(["compress"] if compress else []), *ddp_kwargs])
+        raise ConfigError(
+            f"s.wrap(shard=...) takes no DDP options ({given})",
+            fix="leave them out: a sharded model reduces gradients with FSDP2's own "
+            "reduce-scatter (in fp32 under bf16 precision)",
+        )
+    if graphs:
+        raise ConfigError(
+            "s.wrap(shard=True) with setup(graphs=True): FSDP2's hooks all-gather and free "
+            "parameters on the host, which a captured CUDA graph cannot replay",
+            fix="run sharded steps eagerly: leave graphs=True out",
+        )
+    check_torch(place.backend)
+    model = model.to(place.device)
+    if not place.alone:
+        shard(model, choice, place, precision)
+    return model
+
+
+def full_state_dict(model: nn.Module, place: Placement) -> dict[str, Any]:
+    """Collective: the model's whole state dict on rank 0, on the CPU, plain tensors
+    (`torch.save`-loadable, no ddpkit needed to read it); {} on the other ranks. For a
+    sharded model the shards are gathered; for others it is the unwrapped state_dict."""
+    from ddpkit.train.wrapping import unwrap
+
+    inner = unwrap(model)
+    if is_sharded(inner):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        found = get_model_state_dict(inner, options=options)
+        return dict(found) if place.is_main else {}
+    if not place.is_main:
+        return {}
+    return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
 
 
 def full_tensors(obj: Any) -> Any:

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ddpkit.errors import CheckpointError
+from ddpkit.train import comm
+from ddpkit.train.placement import Placement
 
 STATE_PREFIX = "state-"
 DONE = "COMPLETE"
@@ -93,11 +94,11 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def save_state(
     path: str | os.PathLike[str],
     objects: Mapping[str, Any],
-    rank: int,
-    world_size: int,
+    place: Placement,
     keep: int = 2,
 ) -> Path:
     """Collective. Returns the state's folder."""
+    rank, world_size = place.rank, place.world_size
     if keep < 1:
         raise CheckpointError(f"save_state(keep={keep}) keeps nothing", fix="keep=1 or more")
     root = Path(path)
@@ -113,7 +114,7 @@ def save_state(
             tmp.mkdir()
         except OSError as err:
             error = f"{root}: {err.strerror or err}"
-    seq, error = _broadcast((seq, error), world_size)
+    seq, error = comm.broadcast((seq, error), place)
     _fail_if(error)
     tmp = root / f".{STATE_PREFIX}{seq:08d}.tmp"
     error = None
@@ -147,7 +148,7 @@ def save_state(
         from ddpkit.train.checkpoint import why
 
         error = f"rank {rank}: {why(err)}"
-    errors = _gather(error, world_size)
+    errors = comm.gather(error, place)
     _fail_if(next((e for e in errors if e), None))
     final = root / f"{STATE_PREFIX}{seq:08d}"
     if rank == 0:
@@ -159,7 +160,7 @@ def save_state(
             _prune(root, keep)
         except OSError as err:
             error = f"{final}: {err.strerror or err}"
-    _fail_if(_broadcast(error, world_size))
+    _fail_if(comm.broadcast(error, place))
     return final
 
 
@@ -215,12 +216,11 @@ def _prune(root: Path, keep: int) -> None:
 def load_state(
     path: str | os.PathLike[str],
     objects: Mapping[str, Any],
-    rank: int,
-    world_size: int,
-    device: torch.device,
+    place: Placement,
     rng: bool = True,
 ) -> bool:
     """Collective. False when `path` holds no complete state (a first run)."""
+    rank, world_size, device = place.rank, place.world_size, place.device
     kinds = {name: _kind(name, obj) for name, obj in objects.items()}
     for obj in objects.values():
         _line_up_buckets(obj)
@@ -350,25 +350,6 @@ def _missing(folder: Path, name: str) -> CheckpointError:
     return CheckpointError(
         f"{folder} holds no {name!r}", fix=f"save it with s.save_state(path, {name}=...) first"
     )
-
-
-# -- collectives on small Python values ------------------------------------------------------
-
-
-def _broadcast(value: Any, world_size: int) -> Any:
-    if world_size == 1 or not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value: Any, world_size: int) -> list[Any]:
-    if world_size == 1 or not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _fail_if(error: str | None) -> None:

@@ -24,21 +24,18 @@ How every rank agrees, cheaply:
   cost (well under a second), never more than 2 x MAX_GAP s.
 The first read compares at once.
 
-The rank also tells the launcher (a state file, `ddpkit.common.protocol.GRACEFUL`) so that, after
+The rank also tells the launcher (`ddpkit.rank.progress.mark_graceful`) so that, after
 forwarding a stop signal, it gives the ranks longer than --grace to save before it kills.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
 import threading
 import time
 from datetime import timedelta
 from typing import Any
-
-from ddpkit.common import protocol
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CLOSE_WAIT = 10.0  # seconds close() waits for a comparison still in flight
@@ -74,13 +71,9 @@ class StopFlag:
         for sig in SIGNALS:
             signal.signal(sig, self._handle)
         self.installed = True
-        state_dir = os.environ.get(protocol.STATE_DIR)
-        if state_dir:
-            try:
-                rank = os.environ.get("RANK", "0")
-                protocol.state_path(state_dir, rank, protocol.GRACEFUL).touch()
-            except OSError:
-                pass
+        from ddpkit.rank import progress
+
+        progress.mark_graceful()
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True  # only ever set: a comparison in flight cannot undo it

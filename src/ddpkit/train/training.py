@@ -1,10 +1,12 @@
 """The training-loop helpers users expect from Accelerate and Fabric, small and explicit:
 mixed precision with `s.autocast()`, `s.backward(loss)` and `s.step(optimizer)` (a GradScaler
-for fp16, nothing for bf16 or fp32), and `s.clip(model, max_norm)` that unscales first."""
+for fp16, nothing for bf16 or fp32), `s.clip(model, max_norm)` that unscales first, and
+gradient accumulation (`s.accumulate`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,3 +73,45 @@ class Precision:
         self.scaler.step(optimizer)
         self.scaler.update()
         self._unscaled.discard(id(optimizer))
+
+
+@dataclasses.dataclass
+class Step:
+    """One micro-step inside `Session.accumulate`: `sync` is True on the step that should
+    call optimizer.step()."""
+
+    index: int
+    sync: bool
+
+
+class MicroSteps:
+    """Gradient accumulation: each model's micro-step count; gradients are synchronised only
+    on every `every`-th micro-step (DDP's no_sync, FSDP2's requires_gradient_sync)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def step(self, model: torch.nn.Module, every: int) -> Iterator[Step]:
+        from ddpkit.train import sharding
+        from ddpkit.train.wrapping import unwrap
+
+        if every < 1:
+            raise ConfigError(
+                f"accumulate(every={every}) must be at least 1",
+                fix="pass every=1 for no accumulation, or the micro-step count",
+            )
+        count = self.counts.get(id(model), 0) + 1
+        self.counts[id(model)] = count
+        step = Step(index=count, sync=count % every == 0)
+        inner = unwrap(model)
+        if sharding.is_sharded(inner):  # FSDP2: no no_sync(), a switch on the module
+            inner.set_requires_gradient_sync(step.sync)  # type: ignore[operator]
+            yield step
+            return
+        no_sync = getattr(model, "no_sync", None)
+        if step.sync or no_sync is None:
+            yield step
+        else:
+            with no_sync():
+                yield step

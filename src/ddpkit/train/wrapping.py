@@ -1,8 +1,13 @@
-"""Model wrapping: `s.wrap`'s DDP defaults (each from a measurement) and `unwrap`."""
+"""Model wrapping: `s.wrap`'s DDP (its defaults each from a measurement) and `unwrap`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
+
+from ddpkit.errors import ConfigError
+from ddpkit.train.placement import Placement
 
 # DDP options s.wrap sets unless given, each from benchmarks/RESULTS.md (2 H200s, GPT-2-small
 # shape, bf16): bigger buckets cut step time 6.9% (fewer, fuller NCCL calls); gradients as
@@ -42,3 +47,68 @@ def _is_ddp(model: nn.Module) -> bool:
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     return isinstance(model, DistributedDataParallel | DataParallel)
+
+
+COMPRESSIONS = (None, "bf16", "fp16")
+
+
+def wrap_ddp(
+    model: nn.Module,
+    place: Placement,
+    graphs: bool = False,
+    compress: str | None = None,
+    **ddp_kwargs: Any,
+) -> nn.Module:
+    """`model` on this rank's device, in DistributedDataParallel when the job has more than
+    one process (device_ids = this LOCAL rank on GPU), with WRAP_DEFAULTS unless given.
+    compress="bf16"|"fp16" all-reduces gradients in half precision. graphs=True builds DDP on
+    a side stream, as a CUDA graph of the step needs (s.graph)."""
+    import torch
+
+    if compress not in COMPRESSIONS:
+        raise ConfigError(
+            f"wrap(compress={compress!r}) is not 'bf16', 'fp16' or None",
+            fix="use compress='bf16' for slow links, or leave it out",
+        )
+    if compress == "bf16" and not place.alone and place.backend != "nccl":
+        raise ConfigError(
+            f"wrap(compress='bf16') needs the nccl backend; this job uses {place.backend}",
+            fix="use compress='fp16' on gloo, or run on GPUs with NCCL",
+        )
+    model = model.to(place.device)
+    if place.alone:
+        return model
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpkit.train import bucket_layout
+
+    for option, value in WRAP_DEFAULTS.items():
+        ddp_kwargs.setdefault(option, value)
+    if buffers_are_batchnorm_statistics(model):
+        ddp_kwargs.setdefault("broadcast_buffers", False)
+    if place.device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [place.device.index])
+        ddp_kwargs.setdefault("output_device", place.device.index)
+    if place.device.type == "cuda" and graphs:
+        # built on a side stream, as a CUDA graph of the step needs (s.graph; the capture
+        # fails without it). Only then: eager steps on the default stream would make autograd
+        # warn about the streams not matching.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            wrapped = DistributedDataParallel(model, **ddp_kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        wrapped = DistributedDataParallel(model, **ddp_kwargs)
+    hook = None
+    if compress is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = getattr(default_hooks, f"{compress}_compress_hook")
+    if graphs:  # a captured step keeps DDP's buckets of its capture
+        if hook is not None:
+            wrapped.register_comm_hook(dist.group.WORLD, hook)
+    else:  # the first step sums as every later one: exact resume (bucket_layout)
+        bucket_layout.install(wrapped, inner=hook)
+    return wrapped
