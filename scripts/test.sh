@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The whole suite, as the README says: install ddpkit with its test extras, lint, run pytest.
+# The whole suite, as the README says: install ddpkit with its test extras, lint and type-check,
+# run pytest.
 # pytest's exit 5 ("no tests ran") is a failure here, as any other non-zero exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e '.[test]'
 python -m ruff check src tests benchmarks
+python -m ruff format --check -q src tests benchmarks
+python -m mypy
 # the suite starts hundreds of Python processes: let them keep their bytecode (where
 # PYTHONDONTWRITEBYTECODE is set, as on CI's machine, each process compiled ddpkit again)
 unset PYTHONDONTWRITEBYTECODE

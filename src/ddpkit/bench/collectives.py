@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,8 @@ class Case:
     """One placement of one size: `run` issues the collective, `reset` restores the inputs,
     `wrong` counts elements that differ from the exact result (None: not checked)."""
 
-    run: Callable[[], None]
-    reset: Callable[[], None]
+    run: Callable[[], Any]
+    reset: Callable[[], Any]
     wrong: Callable[[], int | None]
 
 

@@ -92,7 +92,7 @@ def run(args: Any) -> int:
         f"{'efficiency':>10} {'exposed ms':>10} {'peak MiB':>9} {'wrap/raw':>8} {'GPU busy':>8}",
         flush=True,
     )
-    rows = []
+    rows: list[Any] = []
     for n in counts:
         row = _one_job(n, cfg)
         base = rows[0]["samples_per_s"] if rows else row["samples_per_s"]

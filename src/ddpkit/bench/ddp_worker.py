@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,12 +42,14 @@ def main(config_json: str) -> int:
                 copy.deepcopy(pristine).to(s.device), device_ids=device_ids, **kwargs
             )
 
-        models = {"wrap": s.wrap(model), "raw": raw_ddp()}
+        models: dict[str, Any] = {"wrap": s.wrap(model), "raw": raw_ddp()}
         for name, kwargs in cfg.get("extra_ddp", {}).items():
             models[name] = raw_ddp(**kwargs)
         if cfg["compile"]:
             models = {k: torch.compile(m) for k, m in models.items()}
-        variants = {k: _Trainer(m, s.device, cfg["precision"]) for k, m in models.items()}
+        variants: dict[str, Any] = {
+            k: _Trainer(m, s.device, cfg["precision"]) for k, m in models.items()
+        }
         unavailable = {}
         for name, build in (("accelerate", _accelerate), ("fabric", _fabric)):
             if name in cfg.get("frameworks", []):
@@ -66,9 +69,8 @@ def main(config_json: str) -> int:
         for i in range(cfg["steps"]):
             for name in names if i % 2 == 0 else reversed(names):  # alternate the order too
                 trainer = variants["wrap" if name == "no_sync" else name]
-                times[name].append(
-                    _timed(lambda t=trainer, n=name: t.step(x, y, sync=n != "no_sync"), s.device)
-                )
+                sync = name != "no_sync"
+                times[name].append(_timed(partial(trainer.step, x, y, sync=sync), s.device))
         # back to back, as training runs: no wait between steps; each step's time is the GPU's
         # time between CUDA events at its boundaries (idle time waiting for the host included)
         steady = {}

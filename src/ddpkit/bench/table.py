@@ -103,7 +103,7 @@ def write_json(
     peak: dict[str, Any] | None,
     versions: dict[str, str],
 ) -> None:
-    data = {
+    data: dict[str, Any] = {
         "schema": "ddpkit.bench/1",
         "collective": cfg.collective,
         "config": cfg.to_dict(),

@@ -163,14 +163,11 @@ def _check(case: collectives.Case, device: torch.device) -> int | None:
 
 
 def _device_facts(rank: int, device: torch.device) -> dict[str, Any]:
-    facts = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()[:10]}
+    facts: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()[:10]}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        bus = "{:04x}:{:02x}:{:02x}".format(
-            getattr(props, "pci_domain_id", 0),
-            getattr(props, "pci_bus_id", 0),
-            getattr(props, "pci_device_id", 0),
-        )
+        ids = [int(getattr(props, f"pci_{k}_id", 0)) for k in ("domain", "bus", "device")]
+        bus = f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}"
         return {**facts, "device": device.index, "bus": bus, "name": props.name}
     return {**facts, "device": -1, "bus": "cpu", "name": platform.processor() or "CPU"}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.debug:
         os.environ["DDPKIT_DEBUG"] = "1"
+    _log_to_stderr(debug_enabled())
     try:
         return int(args.handler(args))
     except DdpkitError as err:
@@ -86,6 +88,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+class _Said(logging.Formatter):
+    """'ddpkit: warning: ...', as the rest of ddpkit's own lines on stderr read."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"ddpkit: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _log_to_stderr(debug: bool) -> None:
+    """The one place handlers are configured: ddpkit's loggers (`ddpkit.<module>`) to stderr,
+    warnings and above (everything with --debug)."""
+    root = logging.getLogger("ddpkit")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Said())
+        root.addHandler(handler)
+        root.propagate = False
+    root.setLevel(logging.DEBUG if debug else logging.WARNING)
 
 
 def entry() -> NoReturn:

@@ -57,9 +57,9 @@ class Transport:
         pairs: dict[str, list[str]] = {}
         for (a, b), kinds in sorted(self.local.items()):
             pairs.setdefault("+".join(sorted(kinds)), []).append(f"GPU{a}<->GPU{b}")
-        for kinds, names in pairs.items():
+        for label, names in pairs.items():
             shown = names if len(names) <= 3 else [*names[:2], f"... ({len(names)} pairs)"]
-            parts.append(f"{', '.join(shown)} {kinds}")
+            parts.append(f"{', '.join(shown)} {label}")
         if self.remote:
             net = f" ({self.network})" if self.network else ""
             parts.append(f"to other nodes {'+'.join(sorted(self.remote))}{net}")

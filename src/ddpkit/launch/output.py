@@ -27,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from ddpkit.common.protocol import ERR_END, ERR_START
 from ddpkit.launch.rundir import open_private
@@ -254,13 +254,13 @@ class RankOutput:
             for line in self.tail
         ]
 
-    def start(self, pipe: BinaryIO) -> None:
+    def start(self, pipe: IO[bytes]) -> None:
         self.thread = threading.Thread(
             target=self._pump, args=(pipe,), daemon=True, name=f"rank{self.rank}-output"
         )
         self.thread.start()
 
-    def _pump(self, pipe: BinaryIO) -> None:
+    def _pump(self, pipe: IO[bytes]) -> None:
         fd = pipe.fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP)

@@ -85,7 +85,7 @@ class _ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        inner = spec.loader
+        inner, then = spec.loader, after
 
         class Loader(importlib.abc.Loader):
             def create_module(self, spec: Any) -> ModuleType | None:
@@ -94,7 +94,7 @@ class _ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             def exec_module(self, module: ModuleType) -> None:
                 inner.exec_module(module)
                 try:
-                    after(module)
+                    then(module)
                 except Exception as err:  # never break the script's import of torch
                     from ddpkit.errors import debug_note
 
@@ -151,7 +151,7 @@ def patch_init(module: ModuleType) -> None:
             flight.serve(STATE_DIR, RANK, str(module.get_backend()))
         return result
 
-    module.init_process_group = init_process_group
+    module.init_process_group = init_process_group  # type: ignore[attr-defined]
     track_collectives(module)
 
 
@@ -217,7 +217,7 @@ def track_collectives(module: ModuleType) -> None:
 
 def user_site() -> str:
     """file:line (function) of the innermost caller outside torch and ddpkit."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and is_library(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
@@ -421,7 +421,7 @@ def exit_quickly(code: object) -> None:
     DDPKIT_CLEAN_EXIT=0 keeps the ordinary exit.
     """
     if os.environ.get("DDPKIT_CLEAN_EXIT", "1") == "0":
-        sys.exit(code)
+        sys.exit(code)  # type: ignore[arg-type]
     import atexit
     import gc
     import io

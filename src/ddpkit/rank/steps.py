@@ -233,17 +233,18 @@ def patch_dataloader(module: Any) -> None:
     original = getattr(base, "__next__", None)
     if original is None or getattr(original, "_ddpkit_timed", False):
         return
+    call: Any = original
 
     def timed_next(self: Any) -> Any:
         began = time.perf_counter()
         try:
-            return original(self)
+            return call(self)
         finally:
             if _clock is not None:
                 _clock.data += time.perf_counter() - began
 
     timed_next._ddpkit_timed = True  # type: ignore[attr-defined]
-    base.__next__ = timed_next
+    base.__next__ = timed_next  # type: ignore[method-assign,union-attr]
 
 
 def patch_backward(autograd: Any) -> None:
@@ -310,7 +311,7 @@ def timed_here(path: Any) -> Any:
     def remove() -> None:
         global _clock
         handle.remove()
-        dataloader._BaseDataLoaderIter.__next__ = saved_next
+        dataloader._BaseDataLoaderIter.__next__ = saved_next  # type: ignore[method-assign]
         torch.autograd.backward = saved_backward
         if _clock is not None:
             flush()

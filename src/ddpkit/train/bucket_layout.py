@@ -107,7 +107,7 @@ class DistributedDataParallel(TorchDDP):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__class__ = TorchDDP
+        self.__class__ = TorchDDP  # type: ignore[assignment]
 
 
 class LayoutState:

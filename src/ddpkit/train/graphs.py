@@ -72,7 +72,7 @@ class GraphedStep:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)  # grads come from the graph's own memory pool
         _restore(saved, models, optimizers)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph), _quiet_stream_mismatch():
                 self.static_outputs = fn(*self.static_inputs)
@@ -94,11 +94,12 @@ class GraphedStep:
 
     def release(self) -> None:
         """Free the graph (and the NCCL work it holds), before the process group goes."""
-        if getattr(self, "graph", None) is not None:
+        graph = getattr(self, "graph", None)
+        if graph is not None:
             if getattr(self, "in_flight", None) is not None:
-                self._wait(*self.in_flight)
+                self._wait(*self.in_flight)  # type: ignore[misc]
             torch.cuda.synchronize()
-            self.graph.reset()
+            graph.reset()
             self.graph = None
 
     def _eager_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -364,7 +364,7 @@ class _NumpyGenerator(_StateCopy):
 
     def address(self) -> int | None:
         try:
-            generator = np.random.get_bit_generator()
+            generator = np.random.get_bit_generator()  # type: ignore[attr-defined]
             if type(generator).__name__ != "MT19937":
                 return None
             return int(generator.ctypes.state_address)

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,7 @@ class Session:
             )  # fmt: skip
         else:
             wrapped = wrap_ddp(model, self.place, self._graphs, compress, **ddp_kwargs)
-        return torch.compile(wrapped) if compile else wrapped
+        return cast(nn.Module, torch.compile(wrapped)) if compile else wrapped
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """Collective: the model's whole state dict on rank 0, on the CPU, plain tensors

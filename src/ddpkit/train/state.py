@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -66,7 +66,7 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        kind, keys, pos, has_gauss, gauss = cast(Any, np.random.get_state())
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
     except ImportError:
         pass
@@ -322,7 +322,7 @@ def _load_sharded(folder: Path, objects: Mapping[str, Any], names: list[str]) ->
 
     model, optimizers = _split(objects, names)
     model_state, optim_state = get_state_dict(model, optimizers)
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=str(folder))
     except Exception as err:

@@ -119,11 +119,11 @@ def progress_state(dump: Any) -> tuple[int, Any]:
                 waiting.append((str(group), done + 1))
         return completed, tuple(waiting) or None
     entries = dump.get("entries", []) if isinstance(dump, dict) else []
-    done = [int(e.get("collective_seq_id", -1)) for e in entries if e.get("state") == "completed"]
-    waiting = [
+    ended = [int(e.get("collective_seq_id", -1)) for e in entries if e.get("state") == "completed"]
+    unfinished = [
         int(e.get("collective_seq_id", -1)) for e in entries if e.get("state") != "completed"
     ]
-    return max(done, default=-1), min(waiting, default=None)
+    return max(ended, default=-1), min(unfinished, default=None)
 
 
 def pending(dump: Any) -> str | None:

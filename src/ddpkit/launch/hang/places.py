@@ -146,9 +146,9 @@ def where(
     if exit_code is not None:
         return f"has exited (code {exit_code})", ""
     if state is not None:  # stopped, or stuck in C code holding the GIL: say so first
-        innermost = rank_frames[0].func if rank_frames else ""
-        if state.startswith("holds the GIL") and innermost:
-            state += f": {innermost}"
+        called = rank_frames[0].func if rank_frames else ""
+        if state.startswith("holds the GIL") and called:
+            state += f": {called}"
         return state, code_site(rank_frames) if rank_frames else (record.site if record else "")
     if not rank_frames:
         site = record.site if record is not None else ""

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded
 
 BEAT = 1.0
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Liveness:
 
     def _run(self) -> None:
         node = self.node
+        assert node.store is not None  # start() runs the thread only with a store
         store = BoundedStore(
             node.store_addr, node.master_port, min(CALL_LIMIT, self.timeout), node.store.prefix
         )
@@ -138,11 +140,10 @@ class Liveness:
                     self.abort = Abort.from_json(store.get(keys.ABORT))
                     if self.abort is None and not self._said_forged:
                         self._said_forged = True
-                        print(
-                            "ddpkit: warning: ignored a stop request in the job's store that "
-                            f"was not signed with this job's {TOKEN_VARIABLE}",
-                            file=sys.stderr,
-                            flush=True,
+                        log.warning(
+                            "ignored a stop request in the job's store that was not signed "
+                            "with this job's %s",
+                            TOKEN_VARIABLE,
                         )
                 now = time.monotonic()
                 self.longest_gap = max(self.longest_gap, now - last_ok) if self.beats else 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import psutil
@@ -50,7 +51,7 @@ class Gpus:
             self.handles[uuid] = self.nvml.nvmlDeviceGetHandleByUUID(name)
         return self.handles[uuid]
 
-    def facts(self, uuid: str, job_pids: set[int] = frozenset()) -> dict[str, Any]:
+    def facts(self, uuid: str, job_pids: AbstractSet[int] = frozenset()) -> dict[str, Any]:
         """What NVML says of the GPU now ({} without NVML or for an unknown UUID)."""
         if self.nvml is None or not uuid:
             return {}
@@ -79,6 +80,7 @@ class Gpus:
             nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
         )
         with contextlib.suppress(Exception):
+            assert reasons is not None
             bits = int(reasons(h))
             out["throttle"] = [name for bit, name in THROTTLES.items() if bits & bit]
         with contextlib.suppress(Exception):

@@ -180,7 +180,7 @@ class SpeedWatch:
         """This machine's GPUs have active NVLinks (NVML)."""
         from ddpkit.common.gpus import link_peak
 
-        peak = link_peak(0)
+        peak = link_peak(0) or {}
         return bool(peak) and str(peak.get("link", "")).startswith("NVLink")
 
     def _evaluate(self) -> None:
@@ -325,7 +325,7 @@ def evidence_words(me: RankSummary, others: list[RankSummary], part: str) -> tup
             said.append(f"another process uses it: pid {p['pid']} ({p['name']}, {p['mib']} MiB)")
             fixes.append(f"stop pid {p['pid']} or move it to another GPU")
     share = me.facts.get("cpu_share")
-    shares = [o.facts.get("cpu_share") for o in others if o.facts.get("cpu_share") is not None]
+    shares = [float(x) for o in others if (x := o.facts.get("cpu_share")) is not None]
     if not gpu and share is not None and shares and part != "data":
         typical = statistics.median(shares) * 100
         said.append(f"its process ran {share * 100:.0f}% of a core (others {typical:.0f}%)")
