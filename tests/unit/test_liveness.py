@@ -5,6 +5,7 @@ are in tests/multinode."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from datetime import timedelta
@@ -120,12 +121,18 @@ def test_a_node_that_finished_is_not_lost_when_its_beats_stop(server):
     assert first.lost is None
 
 
-def test_a_forged_abort_record_is_ignored(server, monkeypatch, capfd):
+def test_a_forged_abort_record_is_ignored_and_said_once(server, monkeypatch, capsys):
+    from ddpkit.cli import _log_to_stderr
+
+    _log_to_stderr(debug=False)  # as the CLI sets ddpkit's loggers up
     monkeypatch.setenv("DDPKIT_JOB_TOKEN", "s3cret")
     forged = '{"abort": "{\\"node\\": 0, \\"why\\": \\"x\\", \\"code\\": 1, \\"restart\\": false}"}'
     BoundedStore("127.0.0.1", server.port, TIMEOUT, "job/").set("abort", forged)
     watcher = Liveness(_node(1, server.port), TIMEOUT)
     watcher.start()
-    assert _until(lambda: "was not signed" in capfd.readouterr().err, 3)
+    said: list[str] = []
+    assert _until(lambda: said.append(capsys.readouterr().err) or "was not signed" in said[-1], 3)
+    assert said[-1].startswith("ddpkit: warning: ignored a stop request"), said
     watcher.stop()
     assert watcher.abort is None
+    logging.getLogger("ddpkit").handlers.clear()  # the handler holds this test's stderr
