@@ -86,21 +86,27 @@ def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
         for p in ranks:  # each rank (every thread of it) on a core of its own
             for thread in p.threads():
                 os.sched_setaffinity(thread.id, {_rank_of(p, job.run_id)})
-        hog = subprocess.Popen(
-            [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\nwhile True: pass"],
-        )
-        job.wait_for("straggler: rank 1", timeout=bound(60))
+        # two hogs: rank 1 keeps a third of its core at most, however busy the machine is
+        # with others' work (the suite's other worker shares both cores with this job)
+        hogs = [
+            subprocess.Popen(
+                [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\nwhile True: pass"]
+            )
+            for _ in range(2)
+        ]
+        hog = hogs[0]
+        job.wait_for("straggler: rank 1", timeout=bound(90))
         line = next(v for v in verdicts(job.stderr) if "rank 1" in v)
         assert "computes" in line
-        assert f"pid {hog.pid}" in line, line
+        assert any(f"pid {h.pid}" in line for h in hogs), line
         # rank 0 may be named too when the machine is busy with others' work (the suite runs
         # in two workers on two cores): then with its own evidence, never the hog on core 1
         for other in (v for v in verdicts(job.stderr) if "straggler: rank 0 " in v):
-            assert f"pid {hog.pid}" not in other, other
+            assert not any(f"pid {h.pid}" in other for h in hogs), other
     finally:
-        if hog is not None:
-            hog.kill()
-            hog.wait()
+        for h in hogs if hog is not None else []:
+            h.kill()
+            h.wait()
         job.proc.terminate()
         job.finish(60)
     assert not job.survivors()
