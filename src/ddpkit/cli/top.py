@@ -91,6 +91,7 @@ COLUMNS = {
     "steps": ("step ms last/median/p90", "ms median"),
     "rate": ("steps/s", "st/s"),
     "split": ("data/compute/comm/host", "split %"),
+    "held": ("held: peak/reserved or rss", "held"),
     "gpu": ("GPU", "GPU"),
     "util": ("util", "util"),
     "memory": ("memory", "mem GiB"),
@@ -161,6 +162,7 @@ def _row(r: dict[str, Any], wide: bool) -> dict[str, str]:
         "host": str(r.get("host", "")),
         "steps": " / ".join(f"{t * 1e3:.1f}" for t in times),
         "rate": f"{r['steps_per_s']:.1f}",
+        "held": held(r.get("memory") or {}),
         "split": sep.join(parts) + (" %" if wide else "%"),
         "gpu": str(r.get("gpu") or "-") if wide else _short_gpu(r.get("gpu")),
         "util": _pct(gpu.get("util")),
@@ -170,6 +172,16 @@ def _row(r: dict[str, Any], wide: bool) -> dict[str, str]:
         "power": f"{gpu['power_w']:.0f} W" if gpu.get("power_w") is not None else "-",
         "cpu": f"{_pct(host.get('cpu_percent'))}{sep}{_pct(host.get('mem_percent'))}",
     }
+
+
+def held(figures: dict[str, Any]) -> str:
+    """What the rank holds: torch's peak allocated / reserved GPU memory, or its resident
+    memory on the CPU (ddpkit.launch.speed.memory)."""
+    if not figures:
+        return "-"
+    if "reserved" in figures:
+        return f"{figures['peak'] / 2**30:.1f}/{figures['reserved'] / 2**30:.1f} GiB"
+    return f"rss {figures['peak'] / 2**30:.1f} GiB"
 
 
 def _short_gpu(name: Any) -> str:

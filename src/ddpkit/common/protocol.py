@@ -62,6 +62,7 @@ TORCH_ERROR = "torch-error.json"  # TORCHELASTIC_ERROR_FILE: what torch's @recor
 GRACEFUL = "graceful"  # exists once the rank reads s.stop_requested: it saves before it stops
 GROUP = "group"  # the default process group's backend and collective timeout (JSON)
 FAULT = "fault"  # faulthandler's dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, ...
+MEMORY = "memory"  # what the rank's memory held when it ran out (JSON: ddpkit.rank.memory)
 ENDED = "ended"  # "CODE TIME": the rank ended by itself, with this code, at this wall time
 
 # The launcher asks a rank for its stacks with this signal (faulthandler answers it even while
@@ -244,7 +245,11 @@ def _text(raw: bytes) -> str:
 
 STEPS = "steps"  # the rank's step record
 STEP_RING = 1024
-_STEPS_HEAD = struct.Struct("<4sQB3x48s")  # magic, steps written, 1 on a GPU, its UUID
+# magic, steps written, 1 on a GPU, its UUID; then the GPU memory torch holds at the last step's
+# end (allocated, the peak allocated so far, reserved; 0 on the CPU)
+_STEPS_HEAD = struct.Struct("<4sQB3x48sQQQ")
+_MEMORY = struct.Struct("<QQQ")
+_MEMORY_OFFSET = _STEPS_HEAD.size - _MEMORY.size
 _STEP = struct.Struct("<Qd5f4x")  # step number, end (time.time()), total, data, compute, comm, host
 STEPS_MAGIC = b"DKS1"
 _STEPS_COUNT = struct.Struct("<Q")
@@ -278,7 +283,13 @@ class StepWriter:
         self._head()
 
     def _head(self) -> None:
-        _STEPS_HEAD.pack_into(self._map, 0, STEPS_MAGIC, self.count, bool(self._gpu), self._gpu)
+        _STEPS_HEAD.pack_into(
+            self._map, 0, STEPS_MAGIC, self.count, bool(self._gpu), self._gpu, 0, 0, 0
+        )
+
+    def set_memory(self, allocated: int, peak: int, reserved: int) -> None:
+        """The GPU memory torch holds as a step ends (the memory doctor's figures)."""
+        _MEMORY.pack_into(self._map, _MEMORY_OFFSET, allocated, peak, reserved)
 
     def set_gpu(self, uuid: str) -> None:
         self._gpu = uuid.encode()[:48]
@@ -303,6 +314,11 @@ class StepRecord:
     count: int  # steps written so far
     gpu: str  # the GPU's UUID ("" on the CPU)
     steps: list[Step]  # the ones asked for that the ring still holds, oldest first
+    memory: tuple[int, int, int] = (
+        0,
+        0,
+        0,
+    )  # GPU bytes at the last step: allocated, peak, reserved
 
 
 def read_steps(state_dir: str | Path, rank: int | str, since: int = 0) -> StepRecord | None:
@@ -314,7 +330,7 @@ def read_steps(state_dir: str | Path, rank: int | str, since: int = 0) -> StepRe
         return None
     if len(raw) < STEPS_SIZE:
         return None
-    magic, count, on_gpu, uuid = _STEPS_HEAD.unpack_from(raw, 0)
+    magic, count, on_gpu, uuid, allocated, peak, reserved = _STEPS_HEAD.unpack_from(raw, 0)
     if magic != STEPS_MAGIC:
         return None
     first = max(since, count - STEP_RING + 1, 0)  # the oldest the ring still holds
@@ -324,7 +340,7 @@ def read_steps(state_dir: str | Path, rank: int | str, since: int = 0) -> StepRe
         step = Step(*_STEP.unpack_from(raw, slot))
         if step.number == n + 1:  # not overwritten while we read
             steps.append(step)
-    return StepRecord(count, _text(uuid) if on_gpu else "", steps)
+    return StepRecord(count, _text(uuid) if on_gpu else "", steps, (allocated, peak, reserved))
 
 
 # The torch.distributed calls the rank records (the outermost call only: all_gather_object's

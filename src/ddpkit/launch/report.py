@@ -16,7 +16,7 @@ from typing import Any
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
-from ddpkit.launch import causes
+from ddpkit.launch import causes, memory
 from ddpkit.launch.causes import short
 from ddpkit.launch.rundir import open_private
 
@@ -141,10 +141,15 @@ class Outcome:
             summary = f"rank {root.rank} {oom.text(root.rss)}"
             fix = causes.OOM_FIX
         if error is not None:
-            summary += f" ({causes.error_text(error)})"
-            if site := causes.error_site(error):
-                summary += f" at {site}"
-            fix = fix or error.fix
+            site = causes.error_site(error)
+            memory_facts = memory.read(state_dir, root.rank)
+            if memory_facts is not None:  # out of memory: what it held, and what would fit
+                summary, fix = memory.verdict(memory_facts, root.rank, site)
+            else:
+                summary += f" ({causes.error_text(error)})"
+                if site:
+                    summary += f" at {site}"
+                fix = fix or error.fix
         return cls(
             ok=False,
             exit_code=exit_code_of(root.exit_code),

@@ -253,8 +253,10 @@ def record_errors() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(kind, KeyboardInterrupt):
+            from ddpkit.rank import memory
             from ddpkit.rank.hints import fix_for
 
+            memory.write(STATE_DIR, RANK, value)  # an out-of-memory error: what memory held
             trace = "".join(traceback.format_exception(kind, value, tb))
             write_error(kind.__name__, str(value), trace, fix=fix_for(value, tb))
         previous(kind, value, tb)

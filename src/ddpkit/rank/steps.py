@@ -93,6 +93,10 @@ class Clock:
             self.number += 1
             total = now - self.started
             if self.cuda is not None:
+                cuda = self.cuda
+                self.writer.set_memory(
+                    cuda.memory_allocated(), cuda.max_memory_allocated(), cuda.memory_reserved()
+                )
                 end = self._event()
                 end.record()
                 self.pending.append(

@@ -25,6 +25,7 @@ from typing import Any
 
 from ddpkit.common import nccl_transport, protocol
 from ddpkit.launch.speed import evidence, straggler
+from ddpkit.launch.speed.memory import MemoryWatch, describe
 from ddpkit.launch.speed.straggler import Finding, RankSummary
 
 EVALUATE_EVERY = 2.0
@@ -96,6 +97,8 @@ class SpeedWatch:
 
         self.peers = peers if peers is not None else NoPeers()  # the job's other nodes
         self.tracks = {w.rank: Track(w.rank, w.proc.pid, window) for w in workers}
+        self.workers = {w.rank: w for w in workers}
+        self.memory = MemoryWatch()  # the memory doctor's figures and notes
         self.episodes = straggler.Episodes(threshold)
         self.notes: list[str] = []
         self.gpus = evidence.Gpus()
@@ -127,6 +130,11 @@ class SpeedWatch:
             track.gpu = record.gpu
             track.take(record.steps)
             track.read = record.count
+            rss = getattr(self.workers.get(track.rank), "rss", 0)
+            self.memory.take(track.rank, record.count, record.memory if record.gpu else None, rss)
+        self.memory.look()
+        self.notes.extend(self.memory.notes)
+        self.memory.notes.clear()
 
     def _facts(self, track: Track, job: set[int], host: dict[str, Any]) -> dict[str, Any]:
         facts: dict[str, Any] = {"host": host}
@@ -227,6 +235,7 @@ class SpeedWatch:
         current = self.episodes.current
         rows = [
             live_row(s, current is not None and current.rank == s.rank, self.tracks.get(s.rank))
+            | {"memory": self.memory.figures(s.rank)}
             for s in sorted(self.summaries.values(), key=lambda s: s.rank)
         ]
         body = {"time": time.time(), "window": self.window, "ranks": rows}
@@ -249,7 +258,9 @@ class SpeedWatch:
         for track in sorted(self.tracks.values(), key=lambda t: t.rank):
             if len(track.kept) < straggler.MIN_STEPS:
                 continue
-            rows.append(whole_job_row(track, self.host))
+            rows.append(
+                whole_job_row(track, self.host) | {"memory": self.memory.figures(track.rank)}
+            )
         if not rows:
             return ""
         slowest = max(rows, key=lambda r: r["own_median"])
@@ -389,14 +400,14 @@ def whole_job_row(track: Track, host: str) -> dict[str, Any]:
 def summary_text(report: dict[str, Any]) -> str:
     lines = [
         "step times per rank (median, p90) and where they went:",
-        "  rank  host          steps   median     p90   data  compute   comm   host",
+        "  rank  host          steps   median     p90   data  compute   comm   host  memory",
     ]
     for r in report["ranks"]:
         s = r["split"]
         lines.append(
             f"  {r['rank']:>4}  {r['host'][:12]:<12} {r['steps']:>6} {r['median_s'] * 1e3:>7.1f}ms"
             f" {r['p90_s'] * 1e3:>6.1f}ms {s['data']:>6.0%} {s['compute']:>8.0%} {s['comm']:>6.0%}"
-            f" {s['host']:>6.0%}"
+            f" {s['host']:>6.0%}  {describe(r.get('memory') or {})}"
         )
     slow = report["slowest"]
     if len(report["ranks"]) > 1 and slow["own_over_median"]:

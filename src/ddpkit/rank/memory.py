@@ -1,0 +1,197 @@
+"""What a rank's memory held when it ran out, worked out in the rank while it still can (its
+excepthook, before the process goes): the size asked, the device's total, free and
+allocated/reserved memory, other processes' share, and the allocated memory split into
+parameters, gradients, optimizer state and the rest (activations, workspaces), found from the
+modules and optimizers alive in the process; the batch size in use and the world's size, so
+the launcher can compute fixes. For a CUDA OOM (`torch.OutOfMemoryError`) and the CPU
+allocator's failure ("DefaultCPUAllocator: can't allocate memory").
+
+The facts go to the rank's state file `protocol.MEMORY` (JSON); `ddpkit.launch.memory` turns
+them into the verdict and its fixes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddpkit.common import protocol
+
+_ASKED = re.compile(r"(?:Tried to allocate|tried to allocate) ([\d.]+) ?(bytes|[KMGT]i?B)")
+_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+          "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}  # fmt: skip
+
+
+def is_out_of_memory(error: BaseException) -> str | None:
+    """'cuda' or 'cpu' for an allocator's failure, else None."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    message = str(error)
+    if (oom_type is not None and isinstance(error, oom_type)) or "CUDA out of memory" in message:
+        return "cuda"
+    if isinstance(error, RuntimeError | MemoryError) and (
+        "DefaultCPUAllocator: can't allocate memory" in message
+        or "DefaultCPUAllocator: not enough memory" in message
+    ):
+        return "cpu"
+    if isinstance(error, MemoryError):
+        return "cpu"
+    return None
+
+
+def asked_bytes(message: str) -> int | None:
+    found = _ASKED.search(message)
+    if not found:
+        return None
+    return int(float(found.group(1)) * _UNITS.get(found.group(2), 1))
+
+
+def facts(error: BaseException, kind: str) -> dict[str, Any]:
+    """The rank's memory as it ran out (every figure in bytes)."""
+    import torch
+
+    out: dict[str, Any] = {"kind": kind, "asked": asked_bytes(str(error))}
+    out["world_size"] = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    device = _device(kind)
+    out.update(_split(device))
+    out["batch"] = _batch_size()
+    if kind == "cuda" and device is not None and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        out["device"] = index
+        with contextlib.suppress(Exception):  # a broken context: the other figures still
+            free, total = torch.cuda.mem_get_info(index)
+            out["free"], out["total"] = int(free), int(total)
+        out["allocated"] = int(torch.cuda.memory_allocated(index))
+        out["reserved"] = int(torch.cuda.memory_reserved(index))
+        out["peak_allocated"] = int(torch.cuda.max_memory_allocated(index))
+        out["others"] = _other_processes(index)
+    else:
+        import psutil
+
+        rss = psutil.Process().memory_info().rss
+        out["allocated"] = out["reserved"] = int(rss)
+        available, total = _host_memory()
+        out["free"], out["total"] = available, total
+        out["others"] = None
+    return out
+
+
+def write(state_dir: str, rank: str, error: BaseException) -> None:
+    """The facts of an out-of-memory error, when `error` is one (never raises)."""
+    try:
+        kind = is_out_of_memory(error)
+        if kind is None or not state_dir:
+            return
+        found = facts(error, kind)
+        protocol.state_path(state_dir, rank, protocol.MEMORY).write_text(json.dumps(found))
+    except Exception:  # the verdict goes without its figures rather than hiding the error
+        pass
+
+
+def _device(kind: str) -> Any:
+    import torch
+
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _split(device: Any) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state on `device`, from every module and
+    optimizer alive in the process (each tensor counted once)."""
+    import torch
+
+    seen: set[int] = set()
+    params = grads = states = 0
+
+    def size(t: Any) -> int:
+        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2): this rank's shard
+        if not isinstance(t, torch.Tensor) or t.device.type != device.type:
+            return 0
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return int(t.untyped_storage().nbytes())
+
+    modules, optimizers = [], []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module):
+            modules.append(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            optimizers.append(obj)
+    for module in modules:
+        for p in module.parameters(recurse=False):
+            params += size(p)
+    for module in modules:
+        for p in module.parameters(recurse=False):
+            if p.grad is not None:
+                grads += size(p.grad)
+    for opt in optimizers:
+        for per_param in opt.state.values():
+            for value in per_param.values():
+                states += size(value)
+    return {"params": params, "grads": grads, "optimizer": states}
+
+
+def _batch_size() -> int | None:
+    """The batch size of the DataLoader in use (the one of ddpkit's loaders, or torch's, with
+    the most batches taken); None when none is found."""
+    try:
+        from torch.utils.data import DataLoader
+    except ImportError:
+        return None
+    found = [o for o in gc.get_objects() if isinstance(o, DataLoader) and o.batch_size]
+    if not found:
+        return None
+    found.sort(key=lambda loader: getattr(loader, "_taken", 0), reverse=True)
+    return int(found[0].batch_size or 0) or None
+
+
+def _other_processes(index: int) -> int | None:
+    """Bytes other processes use on this GPU (NVML), or None without NVML."""
+    try:
+        from ddpkit.common.gpus import nvml
+
+        nv = nvml()
+        if nv is None:
+            return None
+        handle = nv.nvmlDeviceGetHandleByIndex(index)
+        mine = os.getpid()
+        used = 0
+        for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid != mine and proc.usedGpuMemory:
+                used += int(proc.usedGpuMemory)
+        return used
+    except Exception:
+        return None
+
+
+def _host_memory() -> tuple[int | None, int | None]:
+    """(available, total) bytes for this process: its memory cgroup's limit where it has one,
+    else the machine's."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    available, total = int(vm.available), int(vm.total)
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < total:
+            return max(0, int(limit) - usage), int(limit)
+    return available, total

@@ -1,0 +1,35 @@
+"""Memory mistakes in a DDP loop, chosen by argv[1]:
+
+oom RANK    rank RANK asks for more host memory than the machine has (the CPU allocator
+            fails: a real "DefaultCPUAllocator: can't allocate memory")
+leak        rank 1 keeps 2 MiB every step (as a script that keeps tensors for logging),
+            and prints `leaking` once it starts
+"""
+
+import sys
+import time
+
+import torch
+from torch import nn
+
+import ddpkit
+
+mode = sys.argv[1]
+with ddpkit.setup(seed=0) as s:
+    model = s.wrap(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+    opt = torch.optim.Adam(model.parameters())
+    data = torch.utils.data.TensorDataset(torch.randn(4096, 64), torch.randint(0, 10, (4096,)))
+    kept = []
+    for epoch in range(1000):
+        for step, (x, y) in enumerate(s.loader(data, batch_size=32)):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if mode == "oom" and step == 3 and s.rank == int(sys.argv[2]):
+                torch.empty(2**40, dtype=torch.uint8)  # 1 TiB
+            if mode == "leak" and s.rank == 1:
+                kept.append(torch.ones(2**19))  # 2 MiB a step
+                if len(kept) == 1:
+                    print("leaking", flush=True)
+            time.sleep(0.02)
