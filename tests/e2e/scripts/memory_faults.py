@@ -20,7 +20,7 @@ with ddpkit.setup(seed=0) as s:
     opt = torch.optim.Adam(model.parameters())
     data = torch.utils.data.TensorDataset(torch.randn(4096, 64), torch.randint(0, 10, (4096,)))
     kept = []
-    for epoch in range(1000):
+    for _epoch in range(1000):
         for step, (x, y) in enumerate(s.loader(data, batch_size=32)):
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
