@@ -43,3 +43,37 @@ def test_a_rank_whose_memory_grows_every_step_is_named_with_its_rate(tmp_path):
     assert 1.5 < rate < 2.6, leak  # 2 MiB a step, give or take the allocator
     assert not [line for line in job.err if re.search(r"memory: rank [02]", line)], job.stderr
     assert not job.survivors()
+
+
+FIT = str(SCRIPTS / "fits_the_batch.py")
+LOSS = re.compile(r"loss rank (\d) step (\d+) = (\S+)")
+
+
+def losses(text: str) -> dict[tuple[int, int], str]:
+    return {(int(r), int(s)): v for r, s, v in LOSS.findall(text)}
+
+
+def test_a_batch_that_does_not_fit_on_one_rank_is_halved_on_every_rank_and_resumes(tmp_path):
+    # rank 1 runs out of memory at micro-batch 32: every rank halves, at the same step, and
+    # the losses are those of a run that started at 16; a resumed run goes on at 16
+    fitted = start(["-n", "3", FIT, str(tmp_path / "a"), "--steps", "6", "--stop-after", "4"],
+                   tmp_path)  # fmt: skip
+    small = start(["-n", "3", FIT, str(tmp_path / "b"), "--steps", "6", "--micro", "16"],
+                  tmp_path)  # fmt: skip
+    assert fitted.finish(bound(120)) == 0, fitted.stderr
+    assert small.finish(bound(120)) == 0, small.stderr
+    said = [line for line in fitted.err if "ran out of memory at micro-batch" in line]
+    assert said == ["[rank 0] ddpkit: rank 1 ran out of memory at micro-batch 32: every rank "
+                    "now runs 2 x 16\n"], fitted.stderr  # fmt: skip
+    expected = losses(small.stdout)
+    got = losses(fitted.stdout)
+    assert sorted(got) == [(r, s) for r in range(3) for s in range(1, 5)]
+    assert {k: expected[k] for k in got} == got
+    resumed = start(["-n", "3", FIT, str(tmp_path / "a"), "--steps", "6"], tmp_path)
+    assert resumed.finish(bound(120)) == 0, resumed.stderr
+    assert "ran out of memory" not in resumed.stderr, "the micro-batch was kept in the state"
+    rest = losses(resumed.stdout)
+    assert sorted(rest) == [(r, s) for r in range(3) for s in (5, 6)]
+    assert {k: expected[k] for k in rest} == rest
+    for job in (fitted, small, resumed):
+        assert not job.survivors()

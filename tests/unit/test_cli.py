@@ -111,6 +111,7 @@ def test_run_flags_are_pinned():
             "--straggler-window",
             "--straggler_window",
             "--check-collectives",
+            "--memory-snapshot",
             "--node-timeout",
             "--node_timeout",
             "--local-addr",

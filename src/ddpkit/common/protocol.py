@@ -35,8 +35,11 @@ FRAMED = "_DDPKIT_FRAMED"  # "1": stdout and stderr share one pipe; frame sys.st
 # rank 0 of a one-node job: the launcher's listening socket (this fd number), on which rank 0
 # serves the job's TCPStore once torch.distributed is imported (ddpkit.common.store_server)
 STORE_FD = "_DDPKIT_STORE_FD"
+# --memory-snapshot: how many allocator events each GPU rank records (torch's memory history)
+MEMORY_HISTORY = "_DDPKIT_MEMORY_HISTORY"
 WORKER_VARIABLES = (
-    JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID, FRAMED, STORE_FD
+    JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID, FRAMED, STORE_FD,
+    MEMORY_HISTORY,
 )  # fmt: skip
 
 
@@ -63,6 +66,8 @@ GRACEFUL = "graceful"  # exists once the rank reads s.stop_requested: it saves b
 GROUP = "group"  # the default process group's backend and collective timeout (JSON)
 FAULT = "fault"  # faulthandler's dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, ...
 MEMORY = "memory"  # what the rank's memory held when it ran out (JSON: ddpkit.rank.memory)
+MEMORY_SNAPSHOT = "memory-snapshot.pickle"  # --memory-snapshot: torch's allocator history
+MEMORY_PLOT = "memory.png"  # --memory-snapshot: the rank's allocated memory over its last events
 ENDED = "ended"  # "CODE TIME": the rank ended by itself, with this code, at this wall time
 
 # The launcher asks a rank for its stacks with this signal (faulthandler answers it even while

@@ -102,6 +102,9 @@ TORCHRUN_NAMES: dict[str, str] = {
 }
 # flag -> help; DDPKIT_<FLAG>=1 turns it on
 SWITCHES: dict[str, str] = {
+    "memory-snapshot": "on an out-of-memory error, the failing GPU rank's allocator history "
+    "(its last 100000 events: open it in pytorch.org/memory_viz) and a plot of its memory, in the "
+    "run folder",
     "check-collectives": "check that every rank calls the same collective with the same "
     "shapes, and name the first divergence (TORCH_DISTRIBUTED_DEBUG=DETAIL; slower)",
 }
@@ -137,6 +140,7 @@ class LaunchConfig:
     straggler_threshold: float = 1.2
     straggler_window: int = 50
     check_collectives: bool = False
+    memory_snapshot: bool = False
     torchrun: TorchrunOptions = TorchrunOptions()  # what torchrun's own flags asked for
     raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
     track: bool = True  # per-collective records and the flight recorder (hang doctor)
@@ -295,6 +299,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
             args.straggler_window, "--straggler-window", int, minimum=4, maximum=100_000
         ),
         check_collectives=bool(getattr(args, "check_collectives", False)),
+        memory_snapshot=bool(getattr(args, "memory_snapshot", False)),
         torchrun=torchrun or TorchrunOptions(),
     )
 

@@ -145,6 +145,13 @@ class Outcome:
             memory_facts = memory.read(state_dir, root.rank)
             if memory_facts is not None:  # out of memory: what it held, and what would fit
                 summary, fix = memory.verdict(memory_facts, root.rank, site)
+                snapshot = protocol.state_path(state_dir, root.rank, protocol.MEMORY_SNAPSHOT)
+                if snapshot.exists():
+                    fix += (
+                        f"\n  memory snapshot: {snapshot} (open it in "
+                        "https://pytorch.org/memory_viz); plot: "
+                        f"{protocol.state_path(state_dir, root.rank, protocol.MEMORY_PLOT)}"
+                    )
             else:
                 summary += f" ({causes.error_text(error)})"
                 if site:

@@ -24,6 +24,7 @@ from ddpkit.launch.peers.nodes import NodeGroup
 
 QUIETED = "_DDPKIT_QUIETED_TORCH"  # the launcher set TORCH_CPP_LOG_LEVEL for itself only
 GRACEFUL_WAIT = 120.0  # seconds ranks that read s.stop_requested get to save after a signal
+MEMORY_HISTORY_ENTRIES = 100_000  # --memory-snapshot: the allocator events a rank keeps
 
 
 # Signals the launcher forwards to every worker before it stops the job (torchrun's
@@ -122,6 +123,8 @@ def worker_env(
             env[protocol.STORE_FD] = str(node.held.fileno())
     if not cfg.track:
         env[protocol.TRACK] = "0"
+    if cfg.memory_snapshot:
+        env[protocol.MEMORY_HISTORY] = str(MEMORY_HISTORY_ENTRIES)
     if cfg.check_collectives:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if cfg.omp_threads is not None:

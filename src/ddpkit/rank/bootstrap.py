@@ -145,6 +145,9 @@ def patch_init(module: ModuleType) -> None:
         if STATE_DIR:
             timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
             record_group(str(module.get_backend()), timeout)
+            from ddpkit.rank import memory
+
+            memory.start_history()  # --memory-snapshot: the allocator's events, from here on
         if STATE_DIR and _recording():
             from ddpkit.rank import flight
 

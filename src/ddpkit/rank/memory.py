@@ -76,8 +76,7 @@ def facts(error: BaseException, kind: str) -> dict[str, Any]:
 
         rss = psutil.Process().memory_info().rss
         out["allocated"] = out["reserved"] = int(rss)
-        available, total = _host_memory()
-        out["free"], out["total"] = available, total
+        out["free"], out["total"] = _host_memory()
         out["others"] = None
     return out
 
@@ -90,6 +89,8 @@ def write(state_dir: str, rank: str, error: BaseException) -> None:
             return
         found = facts(error, kind)
         protocol.state_path(state_dir, rank, protocol.MEMORY).write_text(json.dumps(found))
+        if kind == "cuda":
+            dump_history(state_dir, rank)
     except Exception:  # the verdict goes without its figures rather than hiding the error
         pass
 
@@ -159,16 +160,16 @@ def _other_processes(index: int) -> int | None:
     try:
         from ddpkit.common.gpus import nvml
 
-        nv = nvml()
-        if nv is None:
-            return None
-        handle = nv.nvmlDeviceGetHandleByIndex(index)
-        mine = os.getpid()
-        used = 0
-        for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid != mine and proc.usedGpuMemory:
-                used += int(proc.usedGpuMemory)
-        return used
+        with nvml() as nv:
+            if nv is None:
+                return None
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            mine = os.getpid()
+            return sum(
+                int(proc.usedGpuMemory)
+                for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle)
+                if proc.pid != mine and proc.usedGpuMemory
+            )
     except Exception:
         return None
 
@@ -195,3 +196,62 @@ def _host_memory() -> tuple[int | None, int | None]:
         if limit.isdigit() and int(limit) < total:
             return max(0, int(limit) - usage), int(limit)
     return available, total
+
+
+# -- `ddpkit run --memory-snapshot`: torch's allocator history, dumped on an OOM ---------------
+
+
+def start_history() -> None:
+    """Record the allocator's events (bounded), where the launcher asked and a GPU is used."""
+    entries = os.environ.get(protocol.MEMORY_HISTORY, "")
+    torch = sys.modules.get("torch")
+    if not entries.isdigit() or torch is None or not torch.cuda.is_available():
+        return
+    with contextlib.suppress(Exception):  # an old torch: the verdict goes without a snapshot
+        torch.cuda.memory._record_memory_history(max_entries=int(entries))
+
+
+def dump_history(state_dir: str, rank: str) -> None:
+    """The snapshot (torch's pickle, which pytorch.org/memory_viz opens) and a plot of the
+    allocated memory over the recorded events, into the rank's state files."""
+    torch = sys.modules.get("torch")
+    if not os.environ.get(protocol.MEMORY_HISTORY) or torch is None:
+        return
+    with contextlib.suppress(Exception):
+        path = protocol.state_path(state_dir, rank, protocol.MEMORY_SNAPSHOT)
+        torch.cuda.memory._dump_snapshot(str(path))
+        snapshot = torch.cuda.memory._snapshot()
+        plot_history(snapshot, int(torch.cuda.memory_allocated()), state_dir, rank)
+
+
+def plot_history(snapshot: dict[str, Any], allocated: int, state_dir: str, rank: str) -> None:
+    """Allocated bytes over the recorded events (ending at what is allocated now)."""
+    traces = snapshot.get("device_traces") or []
+    events = max(traces, key=len) if traces else []
+    deltas = []
+    for event in events:
+        action = event.get("action")
+        if action == "alloc":
+            deltas.append(int(event.get("size", 0)))
+        elif action == "free_completed":
+            deltas.append(-int(event.get("size", 0)))
+    if not deltas:
+        return
+    running, total = [], 0
+    for d in deltas:
+        total += d
+        running.append(total)
+    offset = allocated - running[-1]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot([(v + offset) / 2**30 for v in running], lw=0.8)
+    ax.set_xlabel(f"allocator events (the last {len(running)})")
+    ax.set_ylabel("allocated (GiB)")
+    ax.set_title(f"rank {rank}: GPU memory before it ran out")
+    fig.tight_layout()
+    fig.savefig(protocol.state_path(state_dir, rank, protocol.MEMORY_PLOT), dpi=100)
+    plt.close(fig)

@@ -29,7 +29,7 @@ from torch import nn
 from ddpkit.common import protocol
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
-from ddpkit.train import checkpoint, comm, joining, loaders, sharding, state
+from ddpkit.train import checkpoint, comm, fitting, joining, loaders, sharding, state
 from ddpkit.train.graphs import ASYNC_VARIABLE, Captured, capture
 from ddpkit.train.placement import Placement
 from ddpkit.train.seeding import seed_everything
@@ -110,6 +110,12 @@ class Session:
         """One micro-step of gradient accumulation: gradients are synchronised only on every
         `every`-th call (step.sync is True then); the others run under DDP's no_sync."""
         return self._micro_steps.step(model, every)
+
+    def fit(self, model: nn.Module, optimizer: Any, micro_batch: int | None = None) -> fitting.Fit:
+        """A batch that fits, agreed across ranks (ddpkit.train.fitting): `fit.step(loss_fn,
+        x, y)` runs the batch in micro-batches and, when any rank runs out of memory, every
+        rank halves the micro-batch (keeping the batch) and does the step again."""
+        return fitting.Fit(model, optimizer, self.place, micro_batch)
 
     # -- data ----------------------------------------------------------------------------
 
