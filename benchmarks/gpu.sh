@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu.sh speed        # what step timing costs (GPT-2-small bf16; the CPU
 #                                       # demo's model), doctor's transport line
 #   bash benchmarks/gpu.sh shard        # bench ddp --shard (DDP against FSDP2) with --grow
+#   bash benchmarks/gpu.sh memory       # the memory doctor: a real CUDA OOM's verdict, the
+#                                       # snapshot, s.fit; what the watch costs (GPT-2-small)
 #   bash benchmarks/gpu.sh stopflag     # what reading s.stop_requested every step costs
 #                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
 #
@@ -18,7 +20,7 @@
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients | speed | shard | stopflag"}
+MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -38,6 +40,16 @@ machine() {
 }
 
 case "$MODE" in
+memory)
+  machine
+  timeout 300 python3 -m pytest -m gpu tests/gpu/test_memory_gpu.py -v -s -p no:cacheprovider \
+    >"$OUT/memory_tests.txt" 2>&1
+  timeout 200 python3 benchmarks/memory_watch_cost.py --batch 8 >"$OUT/memory_watch_cost.txt" 2>&1 ||
+    echo "FAILED memory_watch_cost"
+  grep -E "verdict:|fix:|torch:|snapshot |fitted|small |PASSED|FAILED|passed|failed|Error" \
+    "$OUT/memory_tests.txt" | cut -c1-600 | tail -30
+  cat "$OUT/memory_watch_cost.txt" | tail -12
+  ;;
 stopflag)
   machine
   for batch in 4 8; do

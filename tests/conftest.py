@@ -66,3 +66,24 @@ def no_process_group_left():
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
             pytest.fail("the test left a process group initialised")
+
+
+@pytest.fixture(autouse=True)
+def cpu_seconds_per_test(request):
+    """DDPKIT_TEST_CPU=FILE appends each test's CPU seconds (its own and its reaped
+    descendants': the launchers and their ranks) to FILE: where the suite's time goes."""
+    out = os.environ.get("DDPKIT_TEST_CPU")
+    if not out:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    began = cpu()
+    yield
+    with open(out, "a") as f:
+        f.write(f"{cpu() - began:.2f} {request.node.nodeid}\n")

@@ -114,8 +114,11 @@ def test_a_preempted_job_saves_on_usr1_and_the_next_step_resumes_exactly(cluster
     assert never.finish(120) == 0, never.stderr
     expected = losses(never.stdout)
     assert len(expected) == 4 * 15
-    step = cluster.srun([*srun, *script("state"), "--sleep", "0.1"], tmp_path)
-    step.wait_for("loss rank 0 epoch 1 step 7 =", timeout=120)
+    # Steps of 0.5 s, the signal at step 3 of 15: the ranks compare their stop flags at most
+    # a second apart (train/stopping.py), and scancel's delivery through slurmctld and slurmd
+    # took over a second in CI; with 0.1 s steps from step 7 the job could end first.
+    step = cluster.srun([*srun, *script("state"), "--sleep", "0.5"], tmp_path)
+    step.wait_for("loss rank 0 epoch 0 step 3 =", timeout=120)
     (job,) = cluster.jobs()
     cluster.scancel("--signal=USR1", job)
     step.finish(60)

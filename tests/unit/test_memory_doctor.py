@@ -44,6 +44,19 @@ def test_a_batch_whose_activations_fit_nowhere_gets_no_micro_batch():
     assert memory.fit_micro_batch(gpu_oom(batch=None)) is None
 
 
+def test_a_process_capped_below_its_gpu_is_judged_by_its_cap():
+    # set_per_process_memory_fraction: torch's message says "4.00 GiB allowed"
+    from ddpkit.rank.memory import allowed_bytes
+
+    message = "CUDA out of memory. Tried to allocate 512.00 MiB. ... 4.00 GiB allowed; Of the"
+    assert allowed_bytes(message, 80 * GIB) == 4 * GIB
+    capped = gpu_oom(allowed=40 * GIB, others=0)
+    line, _ = memory.verdict(capped, 0, "")
+    assert "GPU 0 (80.00 GiB, 40.00 GiB allowed to this process)" in line
+    # room: 36 - 24 = 12 GiB for the 52 GiB the step wanted at 32: 4 per micro-batch of 4
+    assert memory.fit_micro_batch(capped) == 4
+
+
 def test_the_host_verdict_speaks_of_the_process_and_the_machine():
     facts = {"kind": "cpu", "asked": 1024 * GIB, "total": 24 * GIB, "free": 20 * GIB,
              "allocated": GIB // 2, "reserved": GIB // 2, "params": 2**20, "grads": 0,

@@ -48,7 +48,9 @@ def verdict(facts: dict[str, Any], rank: int, site: str) -> tuple[str, str]:
     line = f"rank {rank} ran out of {'GPU' if kind == 'cuda' else 'host'} memory{at}"
     if asked:
         line += f": asked for {gib(asked)}"
-    held = [f"{where} ({gib(facts.get('total'))})"]
+    allowed = facts.get("allowed")
+    ceiling = f", {gib(allowed)} allowed to this process" if allowed else ""
+    held = [f"{where} ({gib(facts.get('total'))}{ceiling})"]
     if kind == "cuda":
         held.append(
             f"torch {gib(facts.get('allocated'))} allocated ({gib(facts.get('reserved'))} reserved)"
@@ -78,15 +80,24 @@ def _split(facts: dict[str, Any]) -> dict[str, int] | None:
     return {"params": params, "grads": grads, "optimizer": optimizer, "rest": rest}
 
 
+def _model_state(split: dict[str, int]) -> int:
+    """Parameters, gradients and optimizer state at the step's peak. Gradients freed when the
+    rank failed (zero_grad(set_to_none=True) before the forward) come back in the backward, so
+    a model with optimizer state is taken to hold its parameters' size again in gradients."""
+    grads = split["grads"] or (split["params"] if split["optimizer"] else 0)
+    return split["params"] + grads + split["optimizer"]
+
+
 def fit_micro_batch(facts: dict[str, Any]) -> int | None:
     """The largest power-of-two fraction of the batch whose activations fit (an estimate)."""
     split = _split(facts)
     batch, total = facts.get("batch"), facts.get("total")
     if not split or not batch or not total or batch < 2:
         return None
-    model = split["params"] + split["grads"] + split["optimizer"]
+    model = _model_state(split)
     others = int(facts.get("others") or 0)
-    room = total * (1 - MARGIN) - model - others
+    ceiling = facts.get("allowed") or total
+    room = ceiling * (1 - MARGIN) - model - (0 if facts.get("allowed") else others)
     needed = split["rest"] + int(facts.get("asked") or 0)  # what the step wanted at this batch
     if room <= 0 or needed <= 0:
         return None
@@ -110,18 +121,17 @@ def fixes(facts: dict[str, Any]) -> list[str]:
         )
     split = _split(facts)
     world = int(facts.get("world_size") or 1)
-    if split and world > 1 and facts.get("kind") == "cuda":
-        model = split["params"] + split["grads"] + split["optimizer"]
-        if model:
-            found.append(
-                f"s.wrap(model, shard=True) holds parameters, gradients and optimizer state of "
-                f"{gib(model / world)} per rank at world size {world} instead of {gib(model)}"
-            )
-    elif split and world == 1 and facts.get("kind") == "cuda":
-        model = split["params"] + split["grads"] + split["optimizer"]
-        if model:
-            found.append(
-                f"on N GPUs s.wrap(model, shard=True) holds the model's {gib(model)} as "
-                f"{gib(model)}/N per GPU"
-            )
+    model = _model_state(split) if split else 0
+    if not model or facts.get("kind") != "cuda":
+        return found
+    if world > 1:
+        found.append(
+            f"s.wrap(model, shard=True) holds parameters, gradients and optimizer state of "
+            f"{gib(model / world)} per rank at world size {world} instead of {gib(model)}"
+        )
+    else:
+        found.append(
+            f"on N GPUs s.wrap(model, shard=True) holds the model's {gib(model)} as "
+            f"{gib(model)}/N per GPU"
+        )
     return found

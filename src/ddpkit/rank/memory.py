@@ -24,6 +24,7 @@ from typing import Any
 from ddpkit.common import protocol
 
 _ASKED = re.compile(r"(?:Tried to allocate|tried to allocate) ([\d.]+) ?(bytes|[KMGT]i?B)")
+_ALLOWED = re.compile(r"([\d.]+) ?(bytes|[KMGT]i?B) allowed")
 _UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
           "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}  # fmt: skip
 
@@ -52,6 +53,23 @@ def asked_bytes(message: str) -> int | None:
     return int(float(found.group(1)) * _UNITS.get(found.group(2), 1))
 
 
+def allowed_bytes(message: str, total: int | None) -> int | None:
+    """The process's ceiling where one was set (torch.cuda.set_per_process_memory_fraction):
+    torch's message says "N GiB allowed"; newer torch also tells the fraction."""
+    found = _ALLOWED.search(message)
+    if found:
+        return int(float(found.group(1)) * _UNITS.get(found.group(2), 1))
+    torch = sys.modules.get("torch")
+    get = getattr(getattr(torch, "cuda", None), "get_per_process_memory_fraction", None)
+    if get is None or not total:
+        return None
+    try:
+        fraction = float(get())
+    except Exception:
+        return None
+    return int(total * fraction) if 0 < fraction < 1 else None
+
+
 def facts(error: BaseException, kind: str) -> dict[str, Any]:
     """The rank's memory as it ran out (every figure in bytes)."""
     import torch
@@ -69,6 +87,10 @@ def facts(error: BaseException, kind: str) -> dict[str, Any]:
             out["free"], out["total"] = int(free), int(total)
         out["allocated"] = int(torch.cuda.memory_allocated(index))
         out["reserved"] = int(torch.cuda.memory_reserved(index))
+        allowed = allowed_bytes(str(error), out.get("total"))
+        if allowed is not None:  # set_per_process_memory_fraction: the process's own ceiling
+            out["allowed"] = allowed
+            out["free"] = max(0, min(int(out.get("free") or allowed), allowed - out["reserved"]))
         out["peak_allocated"] = int(torch.cuda.max_memory_allocated(index))
         out["others"] = _other_processes(index)
     else:
