@@ -6,7 +6,8 @@ fails), measured in one run, GPT-2-small bf16 on one GPU:
   step record, which the launcher reads; blocks of steps with it alternate with blocks
   without it;
 * `--memory-snapshot`: torch's allocator history (`_record_memory_history`, 100,000 entries,
-  as ddpkit run sets it), on against off the same way;
+  Python stacks, as ddpkit run sets it), on against off the same way, and with torch's
+  default of C++ stacks too;
 * the host cost of the watch's reads alone, in microseconds, over many calls.
 
     python benchmarks/memory_watch_cost.py --batch 8
@@ -58,15 +59,16 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     run_block(model, opt, data, args.steps, device, True)  # warm-up
     results = {}
-    for name in ("watch", "history"):
+    for name in ("watch", "history", "history-all"):
         off, on = [], []
         for i in range(args.rounds):  # alternate which goes first, so drift hits both alike
             for with_it in (False, True) if i % 2 == 0 else (True, False):
                 handle = None
                 if with_it and name == "watch":
                     handle = watched(opt)
-                elif with_it:
-                    torch.cuda.memory._record_memory_history(max_entries=100_000)
+                elif with_it:  # as ddpkit.rank.memory.start_history records it
+                    stacks = "all" if name == "history-all" else "python"
+                    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks=stacks)
                 run_block(model, opt, data, 2, device, True)
                 took = run_block(model, opt, data, args.steps, device, True)
                 (on if with_it else off).append(took)
@@ -85,7 +87,8 @@ def main() -> None:
           "way, medians")  # fmt: skip
     print(f"{'what':<28} {'without':>10} {'with':>10} {'cost':>8} {'paired':>8}")
     for name, label in (("watch", "memory watch (every step)"),
-                        ("history", "--memory-snapshot history")):  # fmt: skip
+                        ("history", "--memory-snapshot history"),
+                        ("history-all", "  the same with C++ stacks")):  # fmt: skip
         off, on = results[name]
         t_off, t_on = statistics.median(off), statistics.median(on)
         paired = statistics.median(b - a for a, b in zip(off, on, strict=True)) / t_off

@@ -229,8 +229,10 @@ def start_history() -> None:
     torch = sys.modules.get("torch")
     if not entries.isdigit() or torch is None or not torch.cuda.is_available():
         return
+    # Python stacks only: torch's default also unwinds the C++ stack of every allocation,
+    # which cost a GPT-2-small step 21% on an H200 (benchmarks/memory_watch_cost.py)
     with contextlib.suppress(Exception):  # an old torch: the verdict goes without a snapshot
-        torch.cuda.memory._record_memory_history(max_entries=int(entries))
+        torch.cuda.memory._record_memory_history(max_entries=int(entries), stacks="python")
 
 
 def dump_history(state_dir: str, rank: str) -> None:
