@@ -261,3 +261,27 @@ def test_run_help_shows_each_options_default(capsys):
     for flag, (default, _) in config.OPTIONS.items():
         if default is not None:
             assert f"default {default}]" in shown, flag
+
+
+def test_the_banded_edit_distance_equals_the_full_one_within_its_limit():
+    import random
+
+    from ddpkit.common.spelling import edit_distance
+
+    def full(a: str, b: str) -> int:
+        previous = list(range(len(b) + 1))
+        for i, ca in enumerate(a, 1):
+            current = [i]
+            for j, cb in enumerate(b, 1):
+                step = previous[j - 1] + (ca != cb)
+                current.append(min(previous[j] + 1, current[j - 1] + 1, step))
+            previous = current
+        return previous[-1]
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        a, b = ("".join(rng.choice("AB_") for _ in range(rng.randint(0, 9))) for _ in "ab")
+        limit = rng.randint(1, 3)
+        expected = full(a, b)
+        assert edit_distance(a, b) == expected
+        assert edit_distance(a, b, limit) == (expected if expected <= limit else limit + 1)
