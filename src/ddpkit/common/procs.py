@@ -28,6 +28,28 @@ LAUNCHER_WORDS = (
 )
 
 
+TREE_AGE = 1.0  # seconds a process tree found by tree() is used again
+_trees: dict[int, tuple[float, list[psutil.Process]]] = {}
+
+
+def tree(pid: int, max_age: float = TREE_AGE) -> list[psutil.Process]:
+    """The process `pid` and its descendants (psutil.NoSuchProcess when it is gone). Finding
+    descendants reads every process's /proc entry; the launcher's watches (hang: usage,
+    speed: CPU share and the job's pids) each ask every second, so a tree found less than
+    `max_age` s ago is given again: one scan serves them all."""
+    now = time.monotonic()
+    found = _trees.get(pid)
+    if found is not None and now - found[0] < max_age and found[1][0].is_running():
+        return found[1]
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    _trees[pid] = (now, procs)
+    if len(_trees) > 256:  # ranks of earlier attempts
+        for old in [p for p, (at, _) in _trees.items() if now - at > max_age]:
+            del _trees[old]
+    return procs
+
+
 @dataclass
 class TrainingProcess:
     pid: int

@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from ddpkit.common import protocol
+from ddpkit.common import procs, protocol
 from ddpkit.launch.hang import flight
 from ddpkit.launch.hang.places import GIL_STALE
 from ddpkit.launch.report import HANG_EXIT_CODE  # noqa: F401 - where callers find it
@@ -202,8 +202,7 @@ def tree_usage(pid: int) -> tuple[float, int, int]:
     sockets)."""
     cpu, io, rss = 0.0, 0, 0
     try:
-        root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
+        for proc in procs.tree(pid):
             with contextlib.suppress(psutil.Error):
                 times = proc.cpu_times()
                 cpu += times.user + times.system

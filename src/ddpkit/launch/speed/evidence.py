@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 
+from ddpkit.common import procs
 from ddpkit.errors import debug_note
 
 # NVML's clock-event (throttle) reason bits that slow a GPU down, and what to call them
@@ -128,8 +129,7 @@ class Host:
         """Cores the rank's process tree used since the last call (1.0 = one whole core)."""
         used = 0.0
         try:
-            root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
+            for proc in procs.tree(pid):
                 with contextlib.suppress(psutil.Error):
                     t = proc.cpu_times()
                     used += t.user + t.system

@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ddpkit.common import nccl_transport, protocol
+from ddpkit.common import nccl_transport, procs, protocol
 from ddpkit.launch.speed import evidence, straggler
 from ddpkit.launch.speed.memory import MemoryWatch, describe
 from ddpkit.launch.speed.straggler import Finding, RankSummary
@@ -161,8 +161,7 @@ class SpeedWatch:
         pids: set[int] = set()
         for track in self.tracks.values():
             try:
-                root = psutil.Process(track.pid)
-                pids.update(p.pid for p in [root, *root.children(recursive=True)])
+                pids.update(p.pid for p in procs.tree(track.pid))
             except psutil.Error:
                 continue
         return pids
