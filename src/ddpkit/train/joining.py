@@ -178,7 +178,7 @@ def rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
     try:
         store.wait([f"{prefix}all"], timedelta(seconds=left))
     except (RuntimeError, dist.DistError):
-        missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]
+        missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]  # type: ignore[attr-defined]  # torch 2.4 stubs lack it
         arrived = env.world_size - len(missing)
         raise InitTimeoutError(
             f"{arrived} of {env.world_size} ranks arrived at init within "

@@ -61,7 +61,7 @@ def check_torch(backend: str) -> None:
 def is_sharded(model: Any) -> bool:
     """The model (or a module in it) is an FSDP2 module."""
     try:
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule  # type: ignore[attr-defined]  # torch >= 2.6
     except ImportError:
         return False
     if not isinstance(model, nn.Module):
@@ -106,7 +106,7 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def shard(model: nn.Module, choice: Choice, place: Placement, precision: str) -> nn.Module:
     """fully_shard each unit, then the root, on a 1-D mesh of every rank."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[attr-defined]  # torch >= 2.6
 
     mesh = init_device_mesh(place.device.type, (place.world_size,))
     mp = (
@@ -177,7 +177,7 @@ def full_tensors(obj: Any) -> Any:
     """`obj` with every DTensor gathered whole (collective: every rank calls it with the same
     structure, as state_dict() gives); other values as they are."""
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # type: ignore[attr-defined]  # torch >= 2.5
     except ImportError:
         return obj
     if isinstance(obj, DTensor):
@@ -191,7 +191,7 @@ def full_tensors(obj: Any) -> Any:
 
 def has_dtensors(obj: Any) -> bool:
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # type: ignore[attr-defined]  # torch >= 2.5
     except ImportError:
         return False
     if isinstance(obj, DTensor):
