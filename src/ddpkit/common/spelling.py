@@ -83,17 +83,19 @@ def edit_distance(a: str, b: str, limit: int | None = None) -> int:
     return previous[-1]
 
 
+def _near(name: str, known: str) -> bool:
+    """One letter off a name of up to 15 letters, two up to 23, three beyond."""
+    limit = max(1, len(known) // 8)
+    return edit_distance(name, known, limit) <= limit
+
+
 def misspellings(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     """(name set, name meant) for each variable one or two letters off a known name."""
     found = []
     for name in environ:
         if name in KNOWN_NAMES or len(name) < 5:
             continue
-        close = [
-            k
-            for k in KNOWN_NAMES
-            if edit_distance(name, k, limit=max(1, len(k) // 8)) <= max(1, len(k) // 8)
-        ]
+        close = [k for k in KNOWN_NAMES if _near(name, k)]
         if close:
             found.append((name, close[0]))
     return found
