@@ -1,8 +1,13 @@
-"""The rank at fault is named, not its victims, for the faults users meet (issue 27), each on
-rank 0 and on a rank other than 0, at 3 ranks: a rank holding the GIL in C code, a stopped
-rank, a rank the others wait for (said once while the job goes on; the root cause when the
-group's timeout ends it), a rank that runs out of batches, a segfault, an abort, a DataLoader
-worker's exception, the kernel's OOM killer. Nothing is left running after any of them."""
+"""The rank at fault is named, not its victims, for the faults users meet (issue 27), at 3
+ranks: a rank holding the GIL in C code, a stopped rank, a rank the others wait for (said once
+while the job goes on; the root cause when the group's timeout ends it), a rank that runs out
+of batches, a segfault, an abort, a DataLoader worker's exception, the kernel's OOM killer.
+Nothing is left running after any of them.
+
+Rank 0 serves the job's store, so a fault there is run where it changes what happens: stopped
+(the store stops with it), out of batches (the store ends with it), evaluating alone; the other
+faults are run once, and that the verdicts name any rank, 0 included, is in the decision tables
+(tests/unit/test_blame.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ def root_cause(job) -> str:
     return found.group(1)
 
 
-@pytest.mark.parametrize("stuck", [1, 0])
+@pytest.mark.parametrize("stuck", [1])
 def test_a_rank_holding_the_gil_in_c_code_is_caught_and_placed(tmp_path, stuck):
     script = str(SCRIPTS / "catastrophic_regex.py")
     code, job = run_to_end(tmp_path, "--hang-timeout", "4", script, str(stuck))
@@ -64,7 +69,7 @@ def rank_pid(run_id: str, rank: int, timeout: float = 30) -> int:
     raise AssertionError(f"no rank {rank} in job {run_id}")
 
 
-@pytest.mark.parametrize("paused", [2, 0])
+@pytest.mark.parametrize("paused", [0])
 def test_a_stopped_rank_is_named_as_stopped_with_how_to_resume_it(tmp_path, paused):
     job = start(["-n", "3", "--grace", "2", "--hang-timeout", "4",
                  str(SCRIPTS / "steady.py")], tmp_path)  # fmt: skip
@@ -78,20 +83,21 @@ def test_a_stopped_rank_is_named_as_stopped_with_how_to_resume_it(tmp_path, paus
     assert not job.survivors()
 
 
-@pytest.mark.parametrize("evaluator", [2, 0])
-def test_a_long_wait_for_a_working_rank_is_said_once_and_the_job_goes_on(tmp_path, evaluator):
+def test_a_long_wait_for_a_working_rank_is_said_once_and_the_job_goes_on(tmp_path):
+    # rank 2 evaluates alone, then rank 0: two episodes, each said once, naming its own rank
     script = str(SCRIPTS / "evaluates_alone.py")
-    code, job = run_to_end(tmp_path, "--hang-timeout", "4", script, str(evaluator), "12")
+    code, job = run_to_end(tmp_path, "--hang-timeout", "4", script, "2,0", "12")
     assert code == 0, job.stderr
     notes = [line for line in job.err if "not a hang, the job goes on" in line]
-    assert len(notes) == 1, job.stderr
-    others = sorted({0, 1, 2} - {evaluator})
-    assert f"ranks {others[0]},{others[1]} wait in all_reduce (evaluates_alone.py:29)" in notes[0]
-    assert f"rank {evaluator} is elsewhere: evaluate (evaluates_alone.py:21)" in notes[0]
-    assert "The process group's timeout (gloo, 1800 s) ends the job at" in notes[0]
+    assert len(notes) == 2, job.stderr
+    for note, evaluator in zip(notes, (2, 0), strict=True):
+        others = sorted({0, 1, 2} - {evaluator})
+        assert f"ranks {others[0]},{others[1]} wait in all_reduce (evaluates_alone.py:32)" in note
+        assert f"rank {evaluator} is elsewhere: evaluate (evaluates_alone.py:24)" in note
+        assert "The process group's timeout (gloo, 1800 s) ends the job at" in note
 
 
-@pytest.mark.parametrize("evaluator", [1, 0])
+@pytest.mark.parametrize("evaluator", [1])
 def test_the_rank_the_others_timed_out_waiting_for_is_the_root_cause(tmp_path, evaluator):
     script = str(SCRIPTS / "evaluates_alone.py")
     code, job = run_to_end(tmp_path, "--hang-timeout", "30", script, str(evaluator), "40", "6")
@@ -99,7 +105,7 @@ def test_the_rank_the_others_timed_out_waiting_for_is_the_root_cause(tmp_path, e
     cause = root_cause(job)
     others = sorted({0, 1, 2} - {evaluator})
     assert cause.startswith(
-        f"rank {evaluator} kept the others waiting: it was at evaluate (evaluates_alone.py:21) "
+        f"rank {evaluator} kept the others waiting: it was at evaluate (evaluates_alone.py:24) "
         f"when ranks {others[0]},{others[1]} timed out waiting for it in all_reduce"
     ), cause
     assert f"victim: rank {others[0]}: RuntimeError: Timed out waiting 6000ms" in job.stderr
@@ -108,7 +114,7 @@ def test_the_rank_the_others_timed_out_waiting_for_is_the_root_cause(tmp_path, e
     assert "(gloo, 6 s)" in notes[0]
 
 
-@pytest.mark.parametrize("short", [2, 0])
+@pytest.mark.parametrize("short", [0])
 def test_a_rank_that_runs_out_of_batches_is_the_root_cause_not_its_victims(tmp_path, short):
     code, job = run_to_end(tmp_path, str(SCRIPTS / "runs_out.py"), str(short))
     assert code == 1, job.stderr
@@ -127,7 +133,6 @@ def test_a_rank_that_runs_out_of_batches_is_the_root_cause_not_its_victims(tmp_p
     ("how", "culprit", "expected"),
     [
         ("segfault", 1, r"rank 1 died of SIGSEGV at dies_hard\.py:24 in read_null"),
-        ("segfault", 0, r"rank 0 died of SIGSEGV at dies_hard\.py:24 in read_null"),
         ("abort", 2, r"rank 2 died of SIGABRT at dies_hard\.py:35"),
         (
             "loader",
@@ -161,7 +166,7 @@ def memory_cgroup_for_test() -> Path | None:
     return child
 
 
-@pytest.mark.parametrize("eater", [1, 0])
+@pytest.mark.parametrize("eater", [1])
 def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(tmp_path, eater):
     cgroup = memory_cgroup_for_test()
     if cgroup is None:

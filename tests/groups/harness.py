@@ -128,8 +128,9 @@ def run_ranks(
     for p in procs:
         p.start()
     pids = [p.pid for p in procs]
+    deadline = time.monotonic() + timeout  # one deadline for all: a hang is reported in time
     for p in procs:
-        p.join(timeout)
+        p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     stacks = _stacks_of(hung, procs, tmp)
     for p in procs:

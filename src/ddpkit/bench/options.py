@@ -48,6 +48,16 @@ class BenchConfig:
     plot: str | None = None
     peak: str = "auto"
 
+    def dtypes(self) -> tuple[str, ...]:
+        """The types to run, in nccl-tests' order for `-d all`."""
+        return DTYPES if self.dtype == "all" else (self.dtype,)
+
+    def ops(self, gpu: bool) -> tuple[str, ...]:
+        """The reductions to run: `-o all` is every one the backend has (gloo: no avg)."""
+        if self.op != "all":
+            return (self.op,)
+        return OPS if gpu else tuple(op for op in OPS if op != "avg")
+
     def sizes(self) -> list[int]:
         sizes, size = [], self.min_bytes
         while size <= self.max_bytes:
@@ -75,8 +85,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--iters", default="20", help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup_iters", default="1", help="warm-up iterations (default 1)")
     p.add_argument("-c", "--check", default="1", help="check results: 0 or 1 (default 1)")
-    p.add_argument("-o", "--op", default="sum", help=f"reduction: {', '.join(OPS)}")
-    p.add_argument("-d", "--datatype", default="float", help=f"type: {', '.join(DTYPES)}")
+    p.add_argument("-o", "--op", default="sum", help=f"reduction: {', '.join(OPS)} or all")
+    p.add_argument("-d", "--datatype", default="float", help=f"type: {', '.join(DTYPES)} or all")
     p.add_argument("-r", "--root", default="0", help="root rank (broadcast, reduce)")
     p.add_argument(
         "-a",
@@ -159,8 +169,8 @@ def from_args(args: argparse.Namespace, world: int, gpu: bool) -> BenchConfig:
         iters=_int(args.iters, "-n", 1),
         warmup_iters=_int(args.warmup_iters, "-w", 0),
         check=_choice(args.check, "-c", (0, 1)),
-        op=_word(args.op, "-o", OPS),
-        dtype=_word(args.datatype, "-d", DTYPES),
+        op=_word(args.op, "-o", (*OPS, "all")),
+        dtype=_word(args.datatype, "-d", (*DTYPES, "all")),
         root=_int(args.root, "-r", 0),
         average=_choice(args.average, "-a", tuple(AGGREGATES)),
         blocking=_choice(args.blocking, "-z", (0, 1)),

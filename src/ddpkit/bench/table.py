@@ -153,9 +153,18 @@ def write_plot(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    sizes = [r.size for r in rows]
-    for placement, label in (("oop", "out-of-place"), ("ip", "in-place")):
-        ax.plot(sizes, [getattr(r, placement).busbw for r in rows], marker="o", label=label)
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:  # -d all / -o all: one curve per type and reduction
+        groups.setdefault((r.type, r.redop), []).append(r)
+    for (type_name, redop), group in groups.items():
+        sizes = [r.size for r in group]
+        for placement, label in (("oop", "out-of-place"), ("ip", "in-place")):
+            if len(groups) > 1:
+                if placement == "ip":
+                    continue  # many curves: out of place only, as nccl-tests' first columns
+                label = f"{type_name} {redop}"
+            busbw = [getattr(r, placement).busbw for r in group]
+            ax.plot(sizes, busbw, marker="o", label=label)
     if peak:
         ax.axhline(
             peak["gbps"],

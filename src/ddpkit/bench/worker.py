@@ -34,7 +34,6 @@ def main(config_json: str) -> int:
     cfg = BenchConfig(**json.loads(config_json))
     with ddpkit.setup() as s:
         n, rank, device = s.world_size, s.rank, s.device
-        dtype = collectives.DTYPES[cfg.dtype]
         devices = s.gather(_device_facts(rank, device))
         peak = _peak(cfg, device) if n > 1 or cfg.peak != "auto" else None
         versions = {"torch": torch.__version__, "backend": s.backend}
@@ -46,32 +45,15 @@ def main(config_json: str) -> int:
                 flush=True,
             )
         rows = []
-        for size in cfg.sizes():
-            count, shown = collectives.counts(cfg.collective, size, n, dtype)
-            cases = collectives.build(
-                cfg.collective, count, n, rank, dtype, device, cfg.op, cfg.root
-            )
-            placements = {}
-            for name, case in cases.items():
-                us = _aggregate(_time(case, cfg, device), cfg.average, device)
-                wrong = _check(case, device) if cfg.check else 0
-                algbw = shown / us / 1e3 if us > 0 else 0.0
-                placements[name] = table.Placement(
-                    us, algbw, algbw * collectives.bus_factor(cfg.collective, n), wrong
-                )
-            row = table.Row(
-                shown,
-                count,
-                cfg.dtype,
-                cfg.op if collectives.uses_op(cfg.collective) else "none",
-                cfg.root if collectives.uses_root(cfg.collective) else -1,
-                placements["oop"],
-                placements["ip"],
-            )
-            rows.append(row)
-            if s.is_main:
-                print(table.format_row(row), flush=True)
-            del cases
+        # as nccl-tests: every type, within it every reduction, within that every size
+        ops = cfg.ops(device.type == "cuda") if collectives.uses_op(cfg.collective) else ("sum",)
+        for type_name in cfg.dtypes():
+            for op in ops:
+                for size in cfg.sizes():
+                    row = _row(cfg, size, type_name, op, n, rank, device)
+                    rows.append(row)
+                    if s.is_main:
+                        print(table.format_row(row), flush=True)
         if s.is_main:
             print(table.footer(cfg, rows, peak), flush=True)
             _write_files(cfg, rows, devices, peak, versions, n)
@@ -87,6 +69,33 @@ def main(config_json: str) -> int:
                 )
             return WRONG_EXIT
     return 0
+
+
+def _row(
+    cfg: BenchConfig, size: int, type_name: str, op: str, n: int, rank: int, device: torch.device
+) -> table.Row:
+    """One line of the table: the collective at one size, type and reduction, out of place
+    and in place, timed, aggregated across ranks and checked."""
+    dtype = collectives.DTYPES[type_name]
+    count, shown = collectives.counts(cfg.collective, size, n, dtype)
+    cases = collectives.build(cfg.collective, count, n, rank, dtype, device, op, cfg.root)
+    placements = {}
+    for name, case in cases.items():
+        us = _aggregate(_time(case, cfg, device), cfg.average, device)
+        wrong = _check(case, device) if cfg.check else 0
+        algbw = shown / us / 1e3 if us > 0 else 0.0
+        placements[name] = table.Placement(
+            us, algbw, algbw * collectives.bus_factor(cfg.collective, n), wrong
+        )
+    return table.Row(
+        shown,
+        count,
+        type_name,
+        op if collectives.uses_op(cfg.collective) else "none",
+        cfg.root if collectives.uses_root(cfg.collective) else -1,
+        placements["oop"],
+        placements["ip"],
+    )
 
 
 def _sync(device: torch.device) -> None:

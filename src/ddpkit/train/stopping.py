@@ -21,7 +21,9 @@ How every rank agrees, cheaply:
   BUDGET of its step time, and the largest proposal wins. On a GPU step of 100 ms that is
   every step; on a 5 ms CPU step, where a gloo collective costs 50-300 us of host time, every
   few dozen. A signal is seen within two comparisons: about 2/BUDGET times one comparison's
-  cost (well under a second), never more than 2 x MAX_GAP s.
+  cost (well under a second), and at most 2 x MAX_GAP s at the step time measured at the last
+  comparison (steps that slow down after it stretch that in proportion, until the next
+  comparison tunes the gap to them).
 The first read compares at once.
 
 The rank also tells the launcher (`ddpkit.rank.progress.mark_graceful`) so that, after

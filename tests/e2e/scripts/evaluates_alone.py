@@ -1,6 +1,9 @@
 """A common mistake: rank 0 (argv[1]) evaluates alone for argv[2] seconds while the other
 ranks go on to the next step's all_reduce and wait for it. The process group's timeout is
-argv[3] seconds (0: torch's default), as in `init_process_group(..., timeout=...)`."""
+argv[3] seconds (0: torch's default), as in `init_process_group(..., timeout=...)`.
+
+argv[1] may name several ranks, "2,0": each evaluates alone in turn, one step apart (one
+episode of waiting each)."""
 
 import os
 import sys
@@ -10,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-evaluator, seconds = int(sys.argv[1]), float(sys.argv[2])
+evaluators, seconds = [int(r) for r in sys.argv[1].split(",")], float(sys.argv[2])
 timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 0
 
 
@@ -25,9 +28,9 @@ def evaluate(seconds):
 kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
 dist.init_process_group("gloo", **kwargs)
 rank = int(os.environ["RANK"])
-for step in range(3):
+for step in range(2 + len(evaluators)):
     dist.all_reduce(torch.ones(1))
-    if step == 1 and rank == evaluator:
+    if 1 <= step <= len(evaluators) and rank == evaluators[step - 1]:
         evaluate(seconds)
 print("done", flush=True)
 dist.destroy_process_group()

@@ -61,14 +61,15 @@ class Trainer:
             f"{b_sz} | Steps: {len(self.train_data)} | loss {loss:.4f}",
             flush=True,
         )
-        if args.fail_rank == self.global_rank and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        if args.fail_rank == self.global_rank and (first or args.fail_always):
             sys.exit(args.fail_code)
         if args.compute_rank in (self.global_rank, -2) and epoch == 0:
             end = time.time() + args.compute_seconds  # a long step: busy, not hung
             x = torch.randn(128, 128)
             while time.time() < end:
                 x = (x @ x).tanh()
-        if args.stall_rank == self.global_rank and epoch == 0:
+        if args.stall_rank == self.global_rank and epoch == args.stall_epoch:
             print("stall", flush=True)
             time.sleep(600)  # never reaches the next epoch's all-reduce
 
@@ -110,8 +111,10 @@ if __name__ == "__main__":
     parser.add_argument("--sleep", default=0.0, type=float, help="seconds between epochs")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-code", type=int, default=3)
+    parser.add_argument("--fail-always", action="store_true", help="after restarts too")
     parser.add_argument("--compute-rank", type=int, default=-1, help="-2: every rank")
     parser.add_argument("--compute-seconds", type=float, default=0.0)
     parser.add_argument("--stall-rank", type=int, default=-1)
+    parser.add_argument("--stall-epoch", type=int, default=0)
     parser.add_argument("--wait-for-world", type=int, default=0, help="idle until this many")
     main(parser.parse_args())

@@ -1,0 +1,105 @@
+"""The rank at fault is named wherever it is, rank 0 included: the same decisions that the
+fault runs of tests/e2e/test_fault_verdicts.py make end to end (there, once each, mostly on a
+rank other than 0), here over real state files with the culprit at every rank of 3."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from ddpkit.common import protocol
+from ddpkit.launch import report
+from ddpkit.launch.hang import blame, places
+from ddpkit.launch.workers import Worker
+
+RANKS = (0, 1, 2)
+
+
+def worker(rank: int, exit_code: int | None = None, ended: float = 0.0) -> Worker:
+    return Worker(rank=rank, proc=None, output=None, exit_code=exit_code, ended_wall=ended)
+
+
+def others(culprit: int) -> list[int]:
+    return [r for r in RANKS if r != culprit]
+
+
+def lost(state, rank: int, message: str, at: float) -> None:
+    protocol.write_error(state, rank, protocol.ErrorRecord(at, "RuntimeError", message))
+
+
+@pytest.mark.parametrize("culprit", RANKS)
+def test_the_rank_that_ran_out_of_batches_is_named_not_the_ranks_that_waited(tmp_path, culprit):
+    now = time.time()
+    protocol.write_ended(tmp_path, culprit, 0)
+    for r in others(culprit):
+        lost(tmp_path, r, "Connection closed by peer [127.0.0.1]:1234", now + 0.2)
+    workers = [worker(culprit, 0, now)] + [worker(r, 1, now + 0.3) for r in others(culprit)]
+    found = blame.find_culprit(workers, tmp_path, lambda alive: {})
+    assert found is not None
+    assert found.rank == culprit
+    assert found.victims == others(culprit)
+    a, b = others(culprit)
+    assert found.summary.startswith(f"rank {culprit} ended (exit code 0) while ranks {a},{b}")
+
+
+@pytest.mark.parametrize("culprit", RANKS)
+def test_the_rank_the_others_timed_out_for_is_named_where_it_was(tmp_path, culprit):
+    now = time.time()
+    for r in others(culprit):
+        lost(tmp_path, r, "Timed out waiting 6000ms for recv operation to complete", now)
+    workers = [worker(culprit)] + [worker(r, 1, now) for r in others(culprit)]
+    asked = []
+
+    def places_of(alive):
+        asked.append(alive)
+        return dict.fromkeys(alive, ("is elsewhere: evaluate", "train.py:21"))
+
+    found = blame.find_culprit(workers, tmp_path, places_of)
+    assert asked == [[culprit]], "only the live rank's place is asked for"
+    assert found is not None
+    assert found.rank == culprit
+    a, b = others(culprit)
+    assert found.summary.startswith(
+        f"rank {culprit} kept the others waiting: it was at evaluate (train.py:21) when "
+        f"ranks {a},{b} timed out waiting for it"
+    )
+
+
+@pytest.mark.parametrize("culprit", RANKS)
+@pytest.mark.parametrize(
+    "state",
+    [
+        "holds the GIL in C code for 6 s: match",
+        "is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT 4242` resumes it)",
+    ],
+)
+def test_a_hang_verdict_puts_the_rank_that_cannot_run_apart_from_the_waiting(culprit, state):
+    where = dict.fromkeys(others(culprit), ("wait in all_reduce", "train.py:30"))
+    where[culprit] = (state, "train.py:16")
+    said = places.verdict(where)
+    a, b = others(culprit)
+    assert said == f"ranks {a},{b} wait in all_reduce (train.py:30); rank {culprit} {state} " + (
+        "(train.py:16)"
+    )
+
+
+@pytest.mark.parametrize("culprit", RANKS)
+def test_a_rank_that_died_of_a_signal_is_the_root_cause_at_its_crash_site(tmp_path, culprit):
+    now = time.time()
+    protocol.state_path(tmp_path, culprit, protocol.FAULT).write_text(
+        "Fatal Python error: Segmentation fault\n\n"
+        "Current thread 0x00007f (most recent call first):\n"
+        '  File "/home/u/dies_hard.py", line 24 in read_null\n'
+        '  File "/home/u/dies_hard.py", line 40 in <module>\n'
+    )
+    for r in others(culprit):  # the victims notice later, and say that they lost a peer
+        lost(tmp_path, r, "Connection closed by peer [127.0.0.1]:1234", now + 1)
+    failed = [worker(culprit, -signal.SIGSEGV, now)]
+    failed += [worker(r, 1, now + 1) for r in others(culprit)]
+    outcome = report.Outcome.rank_failed(failed, tmp_path)
+    assert outcome.root_rank == culprit
+    assert outcome.summary.startswith(
+        f"rank {culprit} died of SIGSEGV at dies_hard.py:24 in read_null"
+    ), outcome.summary
