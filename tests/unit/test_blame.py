@@ -103,3 +103,19 @@ def test_a_rank_that_died_of_a_signal_is_the_root_cause_at_its_crash_site(tmp_pa
     assert outcome.summary.startswith(
         f"rank {culprit} died of SIGSEGV at dies_hard.py:24 in read_null"
     ), outcome.summary
+
+
+@pytest.mark.parametrize("culprit", RANKS)
+def test_the_first_error_that_is_not_a_lost_peer_is_the_root_cause_at_any_rank(tmp_path, culprit):
+    now = time.time()
+    protocol.write_error(
+        tmp_path,
+        culprit,
+        protocol.ErrorRecord(now, "RuntimeError", "DefaultCPUAllocator: not enough memory"),
+    )
+    for r in others(culprit):  # rank 0's end takes the store: the others lose it first
+        lost(tmp_path, r, "Connection closed by peer [127.0.0.1]:1234", now - 0.5)
+    failed = [worker(r, 1, now) for r in RANKS]
+    outcome = report.Outcome.rank_failed(failed, tmp_path)
+    assert outcome.root_rank == culprit
+    assert outcome.summary.startswith(f"rank {culprit} exited with code 1"), outcome.summary
