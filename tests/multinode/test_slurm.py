@@ -19,8 +19,6 @@ from tests.multinode.test_nodes import SCRIPT, assert_quiet
 
 pytestmark = [
     pytest.mark.timeout(180),
-    # one SLURM at a time (munge and the daemons' state are the host's): one xdist worker
-    pytest.mark.xdist_group("slurm"),
     pytest.mark.skipif(netns.available() is not None, reason=f"no namespaces: {netns.available()}"),
     pytest.mark.skipif(slurm.available() is not None, reason=str(slurm.available())),
 ]
