@@ -92,7 +92,7 @@ def test_a_long_wait_for_a_working_rank_is_said_once_and_the_job_goes_on(tmp_pat
     assert len(notes) == 2, job.stderr
     for note, evaluator in zip(notes, (2, 0), strict=True):
         others = sorted({0, 1, 2} - {evaluator})
-        assert f"ranks {others[0]},{others[1]} wait in all_reduce (evaluates_alone.py:32)" in note
+        assert f"ranks {others[0]},{others[1]} wait in all_reduce (evaluates_alone.py:33)" in note
         assert f"rank {evaluator} is elsewhere: evaluate (evaluates_alone.py:24)" in note
         assert "The process group's timeout (gloo, 1800 s) ends the job at" in note
 

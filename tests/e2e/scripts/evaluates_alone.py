@@ -28,9 +28,14 @@ def evaluate(seconds):
 kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
 dist.init_process_group("gloo", **kwargs)
 rank = int(os.environ["RANK"])
+ones = torch.ones(1)  # held until the end: see below
 for step in range(2 + len(evaluators)):
-    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(ones)
     if 1 <= step <= len(evaluators) and rank == evaluators[step - 1]:
         evaluate(seconds)
 print("done", flush=True)
+# On torch 2.4 a collective's temporary tensor, released by gloo's worker thread after the
+# call returned, can deadlock destroy_process_group (it joins that thread holding the GIL,
+# and the thread waits for the GIL to free the tensor's Python object): a rank stuck there.
+# Holding the tensor in the script keeps the last reference here.
 dist.destroy_process_group()
