@@ -122,22 +122,23 @@ def test_one_rank_stopped_by_sigterm_mid_epoch_resumes_exactly(tmp_path):
     same(last, expected, stopped, through=STEPS)
 
 
-def test_three_ranks_killed_after_a_save_mid_epoch_resume_exactly(tmp_path):
-    expected = never_stopped(tmp_path, 3)
-    # saves every 7 steps: at 7, epoch 1's second step; killed after step 8
-    first = launch(tmp_path, 3, 2, "--save-every", "7", "--sleep", SLOW)
-    killed_after(first, 8)
+def killed_after_a_save_then_resumed(tmp_path, world: int, save_every: int, kill_after: int):
+    """Saves every `save_every` steps (loader workers 2), SIGKILLed after step `kill_after`,
+    then resumed (no workers) from the last save to the end: every step as never stopped."""
+    expected = never_stopped(tmp_path, world)
+    first = launch(tmp_path, world, 2, "--save-every", str(save_every), "--sleep", SLOW)
+    killed_after(first, kill_after)
     same(first, expected, None)
-    last = launch(tmp_path, 3, 0)
+    last = launch(tmp_path, world, 0)
     assert last.finish(200) == 0, last.stderr
-    same(last, expected, 7, through=STEPS)
+    same(last, expected, kill_after // save_every * save_every, through=STEPS)
+
+
+def test_three_ranks_killed_after_a_save_mid_epoch_resume_exactly(tmp_path):
+    # saves at 7, epoch 1's second step; killed after step 8
+    killed_after_a_save_then_resumed(tmp_path, 3, save_every=7, kill_after=8)
 
 
 def test_two_ranks_killed_after_a_save_at_an_epochs_last_step_resume_exactly(tmp_path):
-    expected = never_stopped(tmp_path, 2)
-    first = launch(tmp_path, 2, 2, "--save-every", "5", "--sleep", SLOW)
-    killed_after(first, 7)
-    same(first, expected, None)
-    last = launch(tmp_path, 2, 0)
-    assert last.finish(200) == 0, last.stderr
-    same(last, expected, 5, through=STEPS)
+    # saves at 5, epoch 0's last step; killed after step 7
+    killed_after_a_save_then_resumed(tmp_path, 2, save_every=5, kill_after=7)
