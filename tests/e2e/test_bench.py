@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.bench.collectives import bus_factor
-from ddpkit.bench.options import DTYPES, OPS
+from ddpkit.bench.options import COLLECTIVES, DTYPES, OPS
 
 pytestmark = pytest.mark.timeout(180)
 ANCHOR = Path(__file__).parents[2] / "benchmarks" / "anchors" / "h200x2" / "nt_all_reduce.txt"
@@ -45,53 +45,71 @@ def rows(stdout: str) -> list[list[str]]:
     ]
 
 
-@pytest.mark.parametrize("collective", list(BUS))
-def test_every_collective_runs_checks_and_obeys_the_formulas(collective):
+def test_every_collective_runs_in_one_job_checks_and_obeys_the_formulas(tmp_path):
+    # `ddpkit bench all`: each collective's table in turn, as each nccl-tests binary prints
+    # it, with the root, aggregation, blocking and warm-up flags used, and its own files
     n = 3
-    out = bench(collective, "-b", "64", "-e", "4K", "-f", "4", "-n", "3", "-g", str(n))
+    flags = ["-b", "64", "-e", "4K", "-f", "4", "-n", "3", "-w", "2", "-r", "1", "-a", "3"]
+    files = ["--json", "r.json", "--csv", "r.csv", "--plot", "r.png", "--peak", "10"]
+    out = bench("all", *flags, "-z", "1", "-g", str(n), *files, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    table = rows(out.stdout)
-    assert len(table) == 4  # 64, 256, 1K, 4K
-    for r in table:
-        size, count = int(r[0]), int(r[1])
-        item = 4
-        expected_size = (
-            count * n * item
-            if collective in ("all_gather", "reduce_scatter", "alltoall")
-            else count * item
+    starts = "# Collective test starting: "
+    sections = [starts + x for x in out.stdout.split(starts)[1:]]
+    assert [x[len(starts) :].split("_perf", 1)[0] for x in sections] == list(COLLECTIVES)
+    for collective, section in zip(COLLECTIVES, sections, strict=True):
+        lines = section.splitlines()
+        assert lines[1].startswith(
+            f"# nThread 1 nGpus {n} minBytes 64 maxBytes 4096 step: 4(factor) "
+            "warmup iters: 2 iters: 3 agg iters: 1 validation: 1 graph: 0"
         )
-        assert size == expected_size
-        for time, algbw, busbw in ((r[5], r[6], r[7]), (r[9], r[10], r[11])):
-            assert float(algbw) == pytest.approx(size / float(time) / 1e3, abs=0.006)
-            assert float(busbw) == pytest.approx(
-                float(algbw) * BUS[collective](n), abs=0.005 * (1 + BUS[collective](n)) + 1e-9
-            )
-        assert r[8] == "0"
-        assert r[12] in ("0", "N/A")
-    assert f"# Collective test concluded: {collective}_perf" in out.stdout
+        assert sum(line.startswith("#  Rank ") for line in lines) == n
+        # the three column-header rows, byte for byte as nccl-tests prints them
+        anchor = ANCHOR.read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if "out-of-place" in line)
+        assert lines[start : start + 3] == anchor[8:11]
+        table = rows(section)
+        assert len(table) == 4  # 64, 256, 1K, 4K
+        for r in table:
+            size, count = int(r[0]), int(r[1])
+            spread = collective in ("all_gather", "reduce_scatter", "alltoall")
+            assert size == (count * n * 4 if spread else count * 4)
+            assert r[2:4] == ["float", "sum" if collective in ("all_reduce", "reduce_scatter",
+                                                              "reduce") else "none"]  # fmt: skip
+            assert r[4] == ("1" if collective in ("broadcast", "reduce") else "-1")
+            for time, algbw, busbw in ((r[5], r[6], r[7]), (r[9], r[10], r[11])):
+                assert float(algbw) == pytest.approx(size / float(time) / 1e3, abs=0.006)
+                assert float(busbw) == pytest.approx(
+                    float(algbw) * BUS[collective](n), abs=0.005 * (1 + BUS[collective](n)) + 1e-9
+                )
+            assert r[8] == "0"
+            assert r[12] in ("0", "N/A")
+        assert f"# Collective test concluded: {collective}_perf" in section
+        assert "# Avg bus bandwidth    : " in section
+        assert "of the 10 GB/s one-way peak" in section
+        data = json.loads((tmp_path / f"r.{collective}.json").read_text())
+        assert data["schema"] == "ddpkit.bench/1"
+        assert len(data["rows"]) == 4
+        assert data["rows"][0]["oop"]["peak_fraction"] == pytest.approx(
+            data["rows"][0]["oop"]["busbw"] / 10
+        )
+        assert data["avg_busbw"] >= 0
+        csv_rows = list(csv.DictReader((tmp_path / f"r.{collective}.csv").open()))
+        assert [int(r["size"]) for r in csv_rows] == [r["size"] for r in data["rows"]]
+        assert (tmp_path / f"r.{collective}.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_one_collectives_files_keep_the_names_given():
+    from ddpkit.bench.worker import _named
+
+    assert _named("out/r.json", "all_gather", every=False) == "out/r.json"
+    assert _named("out/r.json", "all_gather", every=True) == "out/r.all_gather.json"
+    assert _named("out.d/r", "reduce", every=True) == "out.d/r.reduce"
 
 
 def test_bus_factors_are_nccl_tests_definitions():
     for name, factor in BUS.items():
         assert bus_factor(name, 8) == pytest.approx(factor(8))
-
-
-def test_the_header_is_nccl_tests_own():
-    out = bench("all_reduce", "-b", "8", "-e", "32", "-f", "4", "-g", "2")
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[2].startswith(
-        "# nThread 1 nGpus 2 minBytes 8 maxBytes 32 step: 4(factor) "
-        "warmup iters: 1 iters: 20 agg iters: 1 validation: 1 graph: 0"
-    )
-    assert sum(line.startswith("#  Rank ") for line in lines) == 2
-    # the three column-header rows, byte for byte as nccl-tests prints them
-    anchor = ANCHOR.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if "out-of-place" in line)
-    assert lines[start : start + 3] == anchor[8:11]
-    first = rows(out.stdout)[0]
-    assert first[:5] == ["8", "2", "float", "sum", "-1"]
-    assert "# Avg bus bandwidth    : " in out.stdout
 
 
 def test_a_planted_wrong_result_is_counted_and_exits_7():
@@ -110,66 +128,6 @@ def test_every_reduction_and_type_is_exact_in_nccl_tests_order():
     got = [(r[2], r[3], r[8], r[12]) for r in rows(out.stdout)]
     ops = [op for op in OPS if op != "avg"]  # gloo has no average (refused: bad flags below)
     assert got == [(dtype, op, "0", "0") for dtype in DTYPES for op in ops]
-
-
-def test_root_aggregation_and_blocking_flags_are_used():
-    out = bench(
-        "broadcast",
-        "-b",
-        "1K",
-        "-e",
-        "1K",
-        "-r",
-        "1",
-        "-a",
-        "3",
-        "-z",
-        "1",
-        "-w",
-        "2",
-        "-n",
-        "5",
-        "-g",
-        "2",
-    )
-    assert out.returncode == 0, out.stderr
-    assert rows(out.stdout)[0][4] == "1"
-    assert "warmup iters: 2 iters: 5" in out.stdout
-
-
-def test_json_csv_and_plot_are_written(tmp_path):
-    out = bench(
-        "all_gather",
-        "-b",
-        "64",
-        "-e",
-        "1K",
-        "-f",
-        "2",
-        "-g",
-        "2",
-        "--json",
-        "r.json",
-        "--csv",
-        "r.csv",
-        "--plot",
-        "r.png",
-        "--peak",
-        "10",
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr
-    data = json.loads((tmp_path / "r.json").read_text())
-    assert data["schema"] == "ddpkit.bench/1"
-    assert len(data["rows"]) == 5
-    assert data["rows"][0]["oop"]["peak_fraction"] == pytest.approx(
-        data["rows"][0]["oop"]["busbw"] / 10
-    )
-    assert data["avg_busbw"] >= 0
-    table = list(csv.DictReader((tmp_path / "r.csv").open()))
-    assert [int(r["size"]) for r in table] == [r["size"] for r in data["rows"]]
-    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
-    assert "of the 10 GB/s one-way peak" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -96,60 +96,48 @@ def assert_clean_success(procs: list[Proc], ranks: int) -> None:
     assert_nothing_left(procs)
 
 
-def test_two_nodes_meet_at_the_rendezvous_and_every_rank_dials_node_0(two, tmp_path):
-    assert_clean_success(run_on(two, tmp_path, [*rdzv(two, 2, per_node=2), str(SCRIPT), "2"]), 4)
+def test_three_nodes_of_two_ranks_meet_at_the_rendezvous_and_every_rank_dials_node_0(
+    three, tmp_path
+):
+    # two nodes meet in every test below; here three, and more than one rank per node
+    assert_clean_success(
+        run_on(three, tmp_path, [*rdzv(three, 3, per_node=2), str(SCRIPT), "2"]), 6
+    )
 
 
-def test_three_nodes_meet_at_the_rendezvous(three, tmp_path):
-    assert_clean_success(run_on(three, tmp_path, [*rdzv(three, 3), str(SCRIPT), "2"]), 3)
-
-
-@pytest.mark.parametrize("nodes", [3])  # 2 static nodes: the Kubernetes test below
-def test_static_nodes_form_one_job_and_end_without_a_trace(nodes, tmp_path):
-    cluster = Cluster(nodes)
-    try:
-        procs = []
-        run_id = "st" + uuid.uuid4().hex[:6]
-        for k in range(nodes):
-            cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id, "--grace", "1"]
-            cmd += ["--log-dir", str(tmp_path / f"node{k}"), "--nnodes", str(nodes)]
-            cmd += ["--node-rank", str(k), "--master-addr", "node0", "--master-port", "29500"]
-            cmd += ["-n", "1", str(SCRIPT), "2"]
-            procs.append(cluster.start(k, cmd, cwd=tmp_path))
-        procs[0].run_id = run_id  # type: ignore[attr-defined]
-        codes = [p.finish() for p in procs]
-        text = "".join(p.stdout + p.stderr for p in procs)
-        assert codes == [0] * nodes, text
-        assert text.count("MASTER_ADDR=node0 ") == nodes
-        for p in procs:
-            assert_quiet(p)
-        assert_nothing_left(procs)
-    finally:
-        cluster.close()
-
-
-def test_two_kubernetes_pods_form_one_job_from_torchruns_pet_variables_alone(two, tmp_path):
-    # what Kubeflow's PyTorchJob gives each pod; the command is plain `ddpkit run script`
-    run_id = "pet" + uuid.uuid4().hex[:6]
+def test_static_nodes_form_one_job_from_flags_or_kubernetes_variables_and_end_quietly(
+    three, tmp_path
+):
+    # node 0 is told with flags; nodes 1 and 2 are Kubeflow PyTorchJob pods: the variables it
+    # gives each pod (torchrun's PET_*) and a plain `ddpkit run script`
+    run_id = "st" + uuid.uuid4().hex[:6]
     procs = []
-    for k in range(2):
-        pod = {
-            "PET_NNODES": "2",
-            "PET_NODE_RANK": str(k),
-            "PET_NPROC_PER_NODE": "1",
-            "PET_MASTER_ADDR": "node0",
-            "PET_MASTER_PORT": "29500",
-            "PET_RDZV_ID": run_id,
-        }
+    for k in range(3):
         cmd = [sys.executable, "-m", "ddpkit", "run", "--log-dir", str(tmp_path / f"node{k}")]
-        procs.append(two.start(k, [*cmd, str(SCRIPT), "2"], cwd=tmp_path, env=pod))
+        pod = None
+        if k == 0:
+            cmd += ["--run-id", run_id, "--grace", "1", "--nnodes", "3", "--node-rank", "0"]
+            cmd += ["--master-addr", "node0", "--master-port", "29500", "-n", "1"]
+        else:
+            pod = {
+                "PET_NNODES": "3",
+                "PET_NODE_RANK": str(k),
+                "PET_NPROC_PER_NODE": "1",
+                "PET_MASTER_ADDR": "node0",
+                "PET_MASTER_PORT": "29500",
+                "PET_RDZV_ID": run_id,
+            }
+        procs.append(three.start(k, [*cmd, str(SCRIPT), "2"], cwd=tmp_path, env=pod))
     procs[0].run_id = run_id  # type: ignore[attr-defined]
     codes = [p.finish() for p in procs]
     text = "".join(p.stdout + p.stderr for p in procs)
-    assert codes == [0, 0], text
-    assert "world size 2" in procs[0].stderr, "one job of two nodes, not two jobs of one"
-    assert text.count("MASTER_ADDR=node0 ") == 2
-    assert "rank 1] done" in text
+    assert codes == [0] * 3, text
+    assert "world size 3" in procs[0].stderr, "one job of three nodes, not three jobs"
+    assert text.count("MASTER_ADDR=node0 ") == 3
+    for rank in range(3):
+        assert f"rank {rank}] done" in text
+    for p in procs:
+        assert_quiet(p)
     assert_nothing_left(procs)
 
 

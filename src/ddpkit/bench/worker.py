@@ -11,6 +11,7 @@ collective rather than Python's ~20 us per call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.bench import collectives, table
-from ddpkit.bench.options import BenchConfig
+from ddpkit.bench.options import COLLECTIVES, BenchConfig
 from ddpkit.common.gpus import link_peak
 
 WRONG_EXIT = 7
@@ -39,25 +40,12 @@ def main(config_json: str) -> int:
         versions = {"torch": torch.__version__, "backend": s.backend}
         if s.backend == "nccl":
             versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        if s.is_main:
-            print(
-                table.preamble(cfg, n, devices, " ".join(f"{k}={v}" for k, v in versions.items())),
-                flush=True,
-            )
-        rows = []
-        # as nccl-tests: every type, within it every reduction, within that every size
-        ops = cfg.ops(device.type == "cuda") if collectives.uses_op(cfg.collective) else ("sum",)
-        for type_name in cfg.dtypes():
-            for op in ops:
-                for size in cfg.sizes():
-                    row = _row(cfg, size, type_name, op, n, rank, device)
-                    rows.append(row)
-                    if s.is_main:
-                        print(table.format_row(row), flush=True)
-        if s.is_main:
-            print(table.footer(cfg, rows, peak), flush=True)
-            _write_files(cfg, rows, devices, peak, versions, n)
-        wrong = table.wrong_total(rows)
+        wrong = 0
+        # `all`: each collective in turn, as running every nccl-tests binary one after another
+        every = cfg.collective == "all"
+        for name in COLLECTIVES if every else (cfg.collective,):
+            one = dataclasses.replace(cfg, collective=name)
+            wrong += _one_collective(one, every, s, devices, peak, versions)
         if wrong:
             if s.is_main:
                 print(
@@ -69,6 +57,36 @@ def main(config_json: str) -> int:
                 )
             return WRONG_EXIT
     return 0
+
+
+def _one_collective(
+    cfg: BenchConfig,
+    every: bool,
+    s: ddpkit.Session,
+    devices: list[dict[str, Any]],
+    peak: dict[str, Any] | None,
+    versions: dict[str, str],
+) -> int:
+    """One collective's whole table, as its nccl-tests binary prints it, and its files (named
+    after it when `every` collective runs); returns the wrong elements."""
+    main, n, rank, device = s.is_main, s.world_size, s.rank, s.device
+    if main:
+        text = " ".join(f"{k}={v}" for k, v in versions.items())
+        print(table.preamble(cfg, n, devices, text), flush=True)
+    rows = []
+    # as nccl-tests: every type, within it every reduction, within that every size
+    ops = cfg.ops(device.type == "cuda") if collectives.uses_op(cfg.collective) else ("sum",)
+    for type_name in cfg.dtypes():
+        for op in ops:
+            for size in cfg.sizes():
+                row = _row(cfg, size, type_name, op, n, rank, device)
+                rows.append(row)
+                if main:
+                    print(table.format_row(row), flush=True)
+    if main:
+        print(table.footer(cfg, rows, peak), flush=True)
+        _write_files(cfg, rows, devices, peak, versions, n, every)
+    return table.wrong_total(rows)
 
 
 def _row(
@@ -196,13 +214,27 @@ def _write_files(
     peak: dict[str, Any] | None,
     versions: dict[str, str],
     n: int,
+    every: bool,
 ) -> None:
     if cfg.json:
-        table.write_json(cfg.json, cfg, rows, devices, peak, versions)
+        table.write_json(
+            _named(cfg.json, cfg.collective, every), cfg, rows, devices, peak, versions
+        )
     if cfg.csv:
-        table.write_csv(cfg.csv, rows)
+        table.write_csv(_named(cfg.csv, cfg.collective, every), rows)
     if cfg.plot:
-        table.write_plot(cfg.plot, cfg, rows, n, peak)
+        table.write_plot(_named(cfg.plot, cfg.collective, every), cfg, rows, n, peak)
+
+
+def _named(path: str, collective: str, every: bool) -> str:
+    """Under `ddpkit bench all` each collective writes its own file: r.json becomes
+    r.all_reduce.json."""
+    if not every:
+        return path
+    stem, dot, suffix = path.rpartition(".")
+    if dot and "/" not in suffix:
+        return f"{stem}.{collective}.{suffix}"
+    return f"{path}.{collective}"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`ddpkit bench COLLECTIVE [nccl-tests flags]`: NVIDIA nccl-tests' measurement from Python,
-with no build: `ddpkit bench all_reduce -b 8 -e 256M -f 2 -g 2`. `ddpkit bench ddp`: training
+with no build: `ddpkit bench all_reduce -b 8 -e 256M -f 2 -g 2`; `ddpkit bench all` times every
+collective in turn in one job. `ddpkit bench ddp`: training
 throughput and scaling efficiency (docs/bench-ddp.md)."""
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         one = kinds.add_parser(name, help=f"time {name} (nccl-tests' {_perf(name)})")
         add_flags(one)
         one.set_defaults(handler=run)
+    every = kinds.add_parser(
+        "all", help="time every collective above in turn, as running each nccl-tests binary"
+    )
+    add_flags(every)
+    every.set_defaults(handler=run)
     ddp = kinds.add_parser("ddp", help="training throughput and scaling efficiency per GPU count")
     add_ddp_flags(ddp)
     ddp.set_defaults(handler=run_ddp)
