@@ -87,27 +87,3 @@ def cpu_seconds_per_test(request):
     yield
     with open(out, "a") as f:
         f.write(f"{cpu() - began:.2f} {request.node.nodeid}\n")
-
-
-# The files that run longest (measured: seconds of test time on the 2-core machine, newest
-# torch), started first: with one file per worker at a time (--dist loadfile), a long file
-# started last would run alone at the end while the other workers sit idle.
-LONGEST_FIRST = (
-    "tests/e2e/test_resume_sizes.py",  # 245 s
-    "tests/multinode/test_nodes.py",  # 235 s
-    "tests/e2e/test_speed.py",  # 169 s
-    "tests/e2e/test_fault_verdicts.py",  # 153 s
-    "tests/e2e/test_frameworks.py",  # 137 s
-    "tests/multinode/test_slurm.py",  # 127 s
-    "tests/e2e/test_console.py",  # 108 s
-    "tests/e2e/test_memory.py",  # 96 s
-    "tests/e2e/test_hang_doctor.py",  # 91 s
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the other files, and each file's tests, keep their order
