@@ -69,8 +69,8 @@ def _one_collective(
 ) -> int:
     """One collective's whole table, as its nccl-tests binary prints it, and its files (named
     after it when `every` collective runs); returns the wrong elements."""
-    main, n, rank, device = s.is_main, s.world_size, s.rank, s.device
-    if main:
+    n, rank, device = s.world_size, s.rank, s.device
+    if s.is_main:
         text = " ".join(f"{k}={v}" for k, v in versions.items())
         print(table.preamble(cfg, n, devices, text), flush=True)
     rows = []
@@ -81,9 +81,9 @@ def _one_collective(
             for size in cfg.sizes():
                 row = _row(cfg, size, type_name, op, n, rank, device)
                 rows.append(row)
-                if main:
+                if s.is_main:
                     print(table.format_row(row), flush=True)
-    if main:
+    if s.is_main:
         print(table.footer(cfg, rows, peak), flush=True)
         _write_files(cfg, rows, devices, peak, versions, n, every)
     return table.wrong_total(rows)

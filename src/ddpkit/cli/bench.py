@@ -1,7 +1,7 @@
 """`ddpkit bench COLLECTIVE [nccl-tests flags]`: NVIDIA nccl-tests' measurement from Python,
 with no build: `ddpkit bench all_reduce -b 8 -e 256M -f 2 -g 2`; `ddpkit bench all` times every
-collective in turn in one job. `ddpkit bench ddp`: training
-throughput and scaling efficiency (docs/bench-ddp.md)."""
+collective in turn in one job. `ddpkit bench ddp`: training throughput and scaling efficiency
+(docs/bench-ddp.md)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ every rank (as if waiting on a file), so the job is light on a small machine.
 """
 
 import argparse
-import collections
 import time
 
 import torch
@@ -58,22 +57,15 @@ class Net(nn.Module):
             nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
             nn.Linear(args.hidden, 10),
         )  # fmt: skip
-        self.factor = 1.0  # the compute fault: this rank's step computes `factor` times as long
-        self.recent = collections.deque(maxlen=20)  # its own time of its last steps, unslowed
-        self.spent = 0.0  # seconds of extra work in the last forward
+        self.extra = 0.0  # seconds of extra work per forward (the compute fault)
 
     def forward(self, x):
-        out = self.layers(x)
-        self.spent = 0.0
-        if self.factor > 1:
-            # sized from this rank's last steps, so the factor holds however busy the machine is
-            began = time.perf_counter()
-            until = began + (self.factor - 1) * statistics(self.recent)
+        if self.extra:
+            until = time.perf_counter() + self.extra
             w = torch.randn(64, 64)
             while time.perf_counter() < until:
                 w = torch.tanh(w @ w)  # extra matmuls
-            self.spent = time.perf_counter() - began
-        return out
+        return self.layers(x)
 
 
 def main():
@@ -85,6 +77,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = Points(rank)
     loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data))
+    own = []  # this rank's own time per step in the even phase, to size the compute fault
     sampler = loader.sampler
     for step, (x, y) in enumerate(batches(loader, sampler)):
         index = step // args.phase
@@ -97,15 +90,19 @@ def main():
                 print(f"phase {args.phases[index]}", flush=True)
             if rank == 1 and name == "hold":
                 print("hold", flush=True)
-            net.factor = float(factor) if name == "compute" and rank == 1 else 1.0
+            extra = (float(factor) - 1) * statistics(own) if name == "compute" else 0.0
+            net.extra = extra if rank == 1 else 0.0
+            if rank == 1 and extra:
+                print(f"extra {extra * 1e3:.1f} ms per forward", flush=True)
         t0 = time.perf_counter()
         loss = nn.functional.cross_entropy(model(x), y)
-        forward = time.perf_counter() - t0 - net.spent
+        forward = time.perf_counter() - t0
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         time.sleep(args.io)
-        net.recent.append(3 * forward + args.io)  # forward, backward (about twice), the sleep
+        if name == "even" and len(own) < 200:
+            own.append(3 * forward + args.io)  # forward, backward (about twice), the sleep
     dist.barrier()
     if rank == 0:
         print("done", flush=True)
