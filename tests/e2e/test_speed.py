@@ -4,8 +4,10 @@ straggler is named while the job runs (rank, cause, factor), an even job gets no
 end of the job prints each rank's figures, and `ddpkit top` shows the job without touching it.
 
 Faults: rank 1's data loading slowed (a sleep in `__getitem__`), its compute slowed 1.5x (extra
-matmuls in its forward), a CPU hog on its core; no fault. One job per world size (3, 4) goes
-through its phases (each 250 steps, the same step on every rank)."""
+matmuls in its forward), a CPU hog on its core; no fault. One job of 3 ranks goes through its
+phases (each 250 steps, the same step on every rank); 2 ranks are slowed by the hog here and
+across nodes (tests/multinode/test_nodes.py). The rule at other world sizes, an even one's
+median among them, is a decision: tests/unit/test_straggler.py."""
 
 from __future__ import annotations
 
@@ -34,13 +36,7 @@ def verdicts(text: str) -> list[str]:
     return [line for line in text.splitlines() if "straggler:" in line]
 
 
-@pytest.mark.parametrize(
-    ("world", "phases"),
-    [
-        (3, ["even", "data", "even", "compute:1.5"]),
-        (4, ["even", "compute:1.5"]),
-    ],
-)
+@pytest.mark.parametrize(("world", "phases"), [(3, ["even", "data", "even", "compute:1.5"])])
 def test_the_slowed_rank_is_named_with_its_cause_and_an_even_phase_with_none(
     tmp_path, world, phases
 ):

@@ -68,6 +68,26 @@ def test_the_rank_the_others_timed_out_for_is_named_where_it_was(tmp_path, culpr
 
 
 @pytest.mark.parametrize("culprit", RANKS)
+def test_a_victim_slower_to_exit_is_not_named_in_the_culprits_place(tmp_path, culprit):
+    # on a loaded machine one victim has exited and the other is still on its way out: it has
+    # recorded its error, or not yet and gives no stack; the evaluating rank is named all the same
+    now = time.time()
+    first, slow = others(culprit)
+    lost(tmp_path, first, "Timed out waiting 6000ms for recv operation to complete", now)
+    workers = [worker(culprit), worker(first, 1, now), worker(slow)]
+    where = {culprit: ("is elsewhere: evaluate", "train.py:21"), slow: ("gave no stack", "")}
+    found = blame.find_culprit(workers, tmp_path, lambda alive: {r: where[r] for r in alive})
+    assert found is not None
+    assert found.rank == culprit
+    lost(tmp_path, slow, "Timed out waiting 6000ms for recv operation to complete", now + 0.1)
+    asked = []
+    found = blame.find_culprit(workers, tmp_path, lambda alive: asked.append(alive) or where)
+    assert asked == [[culprit]], "a rank that recorded its error is a victim, not a suspect"
+    assert found is not None
+    assert found.rank == culprit
+
+
+@pytest.mark.parametrize("culprit", RANKS)
 @pytest.mark.parametrize(
     "state",
     [

@@ -26,6 +26,18 @@ def test_a_rank_slow_in_its_own_compute_is_named_with_the_factor():
     assert found.factor == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_at_any_world_size_the_slow_rank_alone_is_named_against_the_median(world):
+    # an even world has two middle ranks: the median is theirs, never the slow rank's own time
+    even = [rank(r, comm=0.025) for r in range(world)]
+    assert find(even, 1.2) is None
+    slow = [*even[:1], rank(1, compute=0.045, comm=0.010), *even[2:]]
+    found = find(slow, 1.2)
+    assert found is not None
+    assert (found.rank, found.part) == (1, "compute")
+    assert found.factor == pytest.approx(1.5)
+
+
 def test_a_rank_waiting_for_data_is_named_with_its_share_of_the_step():
     found = find([rank(0, comm=0.030), rank(1, data=0.032, comm=0.0)], 1.2)
     assert found is not None

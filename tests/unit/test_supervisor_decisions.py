@@ -87,6 +87,33 @@ def test_a_rank_stuck_after_its_error_counts_as_failed_with_the_code_it_chose(tm
     assert workers[0].exit_code == 7
 
 
+def in_collective(state, rank: int) -> None:
+    protocol.RecordWriter(protocol.state_path(state, rank, protocol.PROGRESS)).enter(
+        "all_reduce", "[16]", "train.py:20"
+    )
+
+
+def test_a_rank_still_in_a_collective_has_not_landed_while_every_failed_rank_lost_a_peer(tmp_path):
+    error(tmp_path, 2, "Connection closed by peer", time.time())
+    in_collective(tmp_path, 1)  # it lost the same peer, and is slower to say so
+    workers = [worker(0, exit_code=0), worker(1), worker(2, exit_code=1)]
+    assert not observe.settled(workers, tmp_path)
+    workers[1].exit_code = 1
+    assert observe.settled(workers, tmp_path)
+
+
+def test_a_rank_that_failed_for_itself_settles_at_once(tmp_path):
+    error(tmp_path, 2, "shapes differ", time.time(), kind="ValueError")
+    in_collective(tmp_path, 1)  # waits for rank 2, which will never come
+    assert observe.settled([worker(0), worker(1), worker(2, exit_code=1)], tmp_path)
+
+
+def test_a_live_rank_outside_any_collective_is_not_waited_for(tmp_path):
+    error(tmp_path, 2, "Timed out waiting 6000ms", time.time())
+    protocol.RecordWriter(protocol.state_path(tmp_path, 1, protocol.PROGRESS))  # evaluating
+    assert observe.settled([worker(0), worker(1), worker(2, exit_code=1)], tmp_path)
+
+
 def test_a_victim_node_hears_the_other_nodes_word():
     node = NodeGroup(group_rank=1, nnodes=2)
     live = Liveness(node, timeout=1)  # not started: its findings are set as the thread would

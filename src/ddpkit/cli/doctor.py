@@ -36,11 +36,13 @@ NODE_FLAGS = ("nnodes", "rdzv", "node_rank", "master_addr", "master_port")
 def run(args: argparse.Namespace) -> int:
     from ddpkit.doctor import checks, facts, script
 
+    # a script that cannot be read is said at once, before the facts import torch
+    parsed = script.parse(args.script) if args.script else None
     environ = dict(os.environ)
     found = facts.gather(environ)
     findings = checks.run_all(found, environ)
     if args.script:
-        findings += script.scan(args.script, gpus=len(found.gpus))
+        findings += script.scan(args.script, gpus=len(found.gpus), parsed=parsed)
         findings.sort(key=lambda f: checks.LEVELS.index(f.level))  # problems first
     spread = [
         f"--{flag.replace('_', '-')}={value}"

@@ -17,23 +17,30 @@ from ddpkit.doctor.checks import Finding
 from ddpkit.errors import ConfigError
 
 
-def scan(path: str, gpus: int | None = None) -> list[Finding]:
-    """Findings for the script at `path`; `gpus` (this machine's) makes a hard-coded 'nccl' an
-    error where there is none."""
-    source_path = Path(path)
+def parse(path: str) -> tuple[str, ast.Module]:
+    """The script's source and syntax tree; a clear error when it cannot be read or parsed."""
     try:
-        source = source_path.read_text()
+        source = Path(path).read_text()
     except OSError as err:
         raise ConfigError(
             f"cannot read {path}: {err.strerror}", fix="give the path of a training script"
         ) from None
     try:
-        tree = ast.parse(source, filename=path)
+        return source, ast.parse(source, filename=path)
     except SyntaxError as err:
         raise ConfigError(
             f"{path} is not valid Python (line {err.lineno}: {err.msg})",
             fix="fix the syntax error first",
         ) from None
+
+
+def scan(
+    path: str, gpus: int | None = None, parsed: tuple[str, ast.Module] | None = None
+) -> list[Finding]:
+    """Findings for the script at `path` (`parsed`: its `parse`, where the caller has it);
+    `gpus` (this machine's) makes a hard-coded 'nccl' an error where there is none."""
+    source, tree = parsed or parse(path)
+    source_path = Path(path)
     name = source_path.name
     findings: list[Finding] = []
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]

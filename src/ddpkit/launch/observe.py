@@ -12,6 +12,7 @@ from typing import Any
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
+from ddpkit.launch.hang.blame import waited
 
 ERROR_EXIT_WAIT = 3.0  # seconds a rank that recorded an error may take to exit
 
@@ -47,6 +48,25 @@ def errored(workers: list[Any], state_dir: Path) -> list[Any]:
 def failed(workers: list[Any], state_dir: Path) -> list[Any]:
     """Ranks that exited non-zero, or else those that recorded an error and hang on."""
     return [w for w in workers if w.exit_code not in (None, 0)] or errored(workers, state_dir)
+
+
+def settled(workers: list[Any], state_dir: Path) -> bool:
+    """Whether a failure's near-simultaneous exits have landed. While every rank that failed so
+    far failed waiting for a peer (its connection closed, a timeout ran out), a live rank still
+    inside a collective, or one that recorded its error and is exiting, is failing the same way,
+    only slower on a loaded machine: it has not landed yet. A rank that failed for itself (a
+    crash, an exception) settles at once."""
+    failed = [w for w in workers if w.exit_code not in (None, 0)]
+    if not all(waited(protocol.read_error(state_dir, w.rank)) for w in failed):
+        return True
+    for w in workers:
+        if w.exit_code is None:
+            if protocol.read_error(state_dir, w.rank) is not None:  # on its way out
+                return False
+            record = protocol.read_record(state_dir, w.rank)
+            if record is not None and record.in_collective:
+                return False
+    return True
 
 
 def absent(w: Any, state_dir: Path, phase: str | None = None) -> bool:

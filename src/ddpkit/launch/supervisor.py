@@ -63,6 +63,8 @@ from ddpkit.launch.workers import (
 
 PR_SET_CHILD_SUBREAPER = 36
 SETTLE = 0.2  # seconds near-simultaneous exits get to land before the root cause is chosen
+# at most this long for the ranks that are failing the same way as the first (observe.settled)
+SETTLE_WAITING = observe.ERROR_EXIT_WAIT
 INIT_CHECK_EVERY = 0.5
 
 
@@ -273,6 +275,12 @@ def _collect(
         return report.Outcome.interrupted_by(name, 128 + job.signals.last)
     if verdict is Verdict.RANK_FAILED:
         wait.until(lambda: False, SETTLE)  # settle: near-simultaneous exits land
+
+        def landed() -> bool:
+            observe.reap(workers)
+            return observe.settled(workers, state_dir)
+
+        wait.until(landed, SETTLE_WAITING)
         observe.reap(workers)
         outcome = report.Outcome.rank_failed(
             [w for w in workers if w.exit_code not in (None, 0)], state_dir, causes.OomWatch()

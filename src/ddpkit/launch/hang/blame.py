@@ -71,13 +71,20 @@ def find_culprit(
             "inside torch.distributed.algorithms.Join([model]) for inputs that stay uneven",
             victims,
         )
-    alive = [w.rank for w in workers if w.exit_code is None]
+    # a live rank that recorded an error is failing too, only slower to exit
+    alive = [
+        w.rank
+        for w in workers
+        if w.exit_code is None and protocol.read_error(state_dir, w.rank) is None
+    ]
     if not alive:
         return None
     places = places_of(alive)
-    busy = sorted(r for r, (what, _) in places.items() if not what.startswith("wait"))
+    busy = [r for r, (what, _) in places.items() if not what.startswith("wait")]
     if not busy:
         return None
+    # a rank with a place before one that gave no stack (it may be exiting)
+    busy.sort(key=lambda r: (places[r][0] == "gave no stack", r))
     what, site = places[busy[0]]
     at = f" ({site})" if site else ""
     timed_out = any("imed out" in (e.message if e else "") for e in errors.values())
