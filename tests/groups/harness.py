@@ -16,6 +16,7 @@ import pickle
 import signal
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -153,7 +154,11 @@ def run_ranks(
             raise RankFailedError(
                 f"rank {r} died (exit code {procs[r].exitcode}) before reporting:\n{stderr}"
             )
-        status, value = pickle.loads(result_file.read_bytes())
+        with warnings.catch_warnings():
+            # a pickled tensor loads through torch.load, which warns about weights_only on
+            # torch 2.4 (the ranks' own results, written by this harness)
+            warnings.simplefilter("ignore", FutureWarning)
+            status, value = pickle.loads(result_file.read_bytes())
         if status == "error" and not expect_errors:
             raise RankFailedError(f"rank {r} raised {value[0]}: {value[1]}\n{value[2]}")
         results.append(RankError(*value[:2]) if status == "error" else value)
