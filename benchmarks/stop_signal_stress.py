@@ -5,7 +5,14 @@ stops_cleanly.py (the docs' pattern with a cheap step). A run passes when every 
 the same step, the launcher exited with 128+signal within 10 s of the signal, the summary says
 the ranks ended on their own, and no process of the job is left.
 
-    python benchmarks/stop_signal_stress.py [--runs 100] [--ranks 3] [--out FILE]
+`--around-a-failure`: SIGTERM and SIGINT in turn at a random moment while a rank's failure is
+settled and reported (tests/e2e/scripts/runs_out.py: rank 0 runs out of batches and ends, the
+others fail waiting for it). A run passes when the launcher exits within 10 s of the signal,
+with 128+signal, or 1 where the failure was reported first (or killed by the signal once that
+report is whole: it came as the launcher returned), and no process of the job is left.
+
+    python benchmarks/stop_signal_stress.py [--runs 100] [--ranks 3] [--around-a-failure]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,35 +32,49 @@ from pathlib import Path
 
 from ddpkit.common.procs import is_alive, processes_of_job
 
-SCRIPT = Path(__file__).parents[1] / "tests" / "e2e" / "scripts" / "stops_cleanly.py"
+SCRIPTS = Path(__file__).parents[1] / "tests" / "e2e" / "scripts"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
-def one_run(ranks: int, sig: int, delay: float, folder: Path) -> tuple[bool, str, float]:
+def signal_job(
+    script: list[str], ranks: int, mark: str, sig: int, delay: float, folder: Path
+) -> tuple[int | None, str, float, list]:
+    """`ddpkit run -n RANKS SCRIPT`, signalled `delay` s after its output shows `mark` (at once
+    if it ends first): (exit code, None if it never showed the mark; output; seconds from the
+    signal to the launcher's end; the job's processes left, killed since)."""
     run_id = "s" + uuid.uuid4().hex[:8]
     cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id, "--log-dir",
-           str(folder / "logs"), "-n", str(ranks), str(SCRIPT), str(folder / "state")]  # fmt: skip
+           str(folder / "logs"), "-n", str(ranks), *script]  # fmt: skip
     out = folder / "out.txt"
     with out.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
-        while "step 20 " not in out.read_text() and time.monotonic() < deadline:
+        while mark not in out.read_text() and time.monotonic() < deadline:
             if proc.poll() is not None:
-                return False, "ended before step 20:\n" + out.read_text()[-2000:], 0.0
-            time.sleep(0.02)
+                return None, f"ended before {mark!r}:\n" + out.read_text()[-2000:], 0.0, []
+            time.sleep(0.01)
         time.sleep(delay)
         sent = time.monotonic()
-        os.kill(proc.pid, sig)
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
         try:
             code = proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
         took = time.monotonic() - sent
-    text = out.read_text()
     left = [p for p in processes_of_job(run_id) if is_alive(p)]
     for p in left:
         p.kill()
+    return code, out.read_text(), took, left
+
+
+def stopped_run(ranks: int, sig: int, delay: float, folder: Path) -> tuple[bool, str, float]:
+    """Signalled after every rank read s.stop_requested: every rank saved at the same step."""
+    script = [str(SCRIPTS / "stops_cleanly.py"), str(folder / "state")]
+    code, text, took, left = signal_job(script, ranks, "step 20 ", sig, delay, folder)
+    if code is None:
+        return False, text, took
     saved = dict(re.findall(r"rank (\d+) saved at step (\d+)", text))
     problems = []
     if sorted(map(int, saved)) != list(range(ranks)):
@@ -71,18 +92,40 @@ def one_run(ranks: int, sig: int, delay: float, folder: Path) -> tuple[bool, str
     return not problems, "; ".join(problems) + ("\n" + text[-1500:] if problems else ""), took
 
 
+def failure_run(ranks: int, sig: int, delay: float, folder: Path) -> tuple[bool, str, float]:
+    """Signalled while rank 0's early end fails the others: stopped or reported, in time."""
+    script = [str(SCRIPTS / "runs_out.py"), "0"]
+    code, text, took, left = signal_job(script, ranks, "finished its 6 batches", sig, delay, folder)
+    if code is None:
+        return False, text, took
+    problems = []
+    # a signal in the launcher's last moment, its report written and its handlers given back,
+    # ends it as the signal would end any process: acceptable with the report whole
+    reported = "\n  exit code: " in text
+    if code not in (1, 128 + sig) and not (code == -sig and reported):
+        problems.append(f"exit code {code}")
+    if took > 10:
+        problems.append(f"took {took:.1f} s")
+    if left:
+        problems.append(f"left running: {[p.pid for p in left]}")
+    return not problems, "; ".join(problems) + ("\n" + text[-1500:] if problems else ""), took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--around-a-failure", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    one_run = failure_run if args.around_a_failure else stopped_run
+    signals = SIGNALS[:2] if args.around_a_failure else SIGNALS
     plan = random.Random(int(time.time()))
     tally: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     times: list[float] = []
     failures = []
     for run in range(args.runs):
-        sig = SIGNALS[run % 3]
+        sig = signals[run % len(signals)]
         delay = plan.uniform(0.0, 1.5)
         with tempfile.TemporaryDirectory() as folder:
             ok, why, took = one_run(args.ranks, sig, delay, Path(folder))
@@ -93,10 +136,11 @@ def main() -> None:
             failures.append(f"run {run} {name} after {delay:.2f} s: {why}")
         print(f"run {run:3d} {name:8s} delay {delay:.2f} s: {'pass' if ok else 'FAIL'} "
               f"({took:.2f} s)", flush=True)  # fmt: skip
-    lines = [f"# s.stop_requested under a stop signal at a random moment: {args.runs} runs, "
+    what = "a rank's failure" if args.around_a_failure else "s.stop_requested"
+    lines = [f"# {what} under a stop signal at a random moment: {args.runs} runs, "
              f"{args.ranks} ranks, {time.strftime('%Y-%m-%d')}",
              f"{'signal':<8} {'pass':>5} {'fail':>5}"]  # fmt: skip
-    for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
+    for name in (signal.Signals(sig).name for sig in signals):
         lines.append(f"{name:<8} {tally[name]['pass']:>5} {tally[name]['fail']:>5}")
     times.sort()
     lines.append(f"signal to last process gone: median {times[len(times) // 2]:.2f} s, "
