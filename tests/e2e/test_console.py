@@ -151,16 +151,31 @@ def test_a_full_log_disk_warns_once_and_the_console_goes_on(tmp_path):
         subprocess.run(["umount", str(disk)])
 
 
-@needs_tmux
-def test_the_demo_shows_one_clean_line_per_epoch_in_a_terminal(tmp_path):
-    term = terminal.Terminal(
-        [*DDPKIT, "demo", "--epochs", "3", "--log-dir", str(tmp_path)], tmp_path
-    )
-    try:
-        assert term.exit_code(120) == 0
-        screen = term.screen()
-    finally:
-        term.close()
+def test_the_demo_trains_to_its_accuracy_with_one_clean_line_per_epoch_in_a_terminal(tmp_path):
+    # on CPU ranks wherever it runs; in a real terminal where tmux is installed (CI), else
+    # through pipes, where only the training and its report are checked
+    demo = ["env", "CUDA_VISIBLE_DEVICES=", *DDPKIT, "demo", "--epochs", "3"]
+    if terminal.available() is None:
+        term = terminal.Terminal([*demo, "--log-dir", str(tmp_path)], tmp_path)
+        try:
+            assert term.exit_code(150) == 0, term.screen()
+            screen = term.screen()
+        finally:
+            term.close()
+    else:
+        out = subprocess.run([*demo, "--log-dir", str(tmp_path)], capture_output=True,
+                             text=True, timeout=150, cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        screen = out.stdout + out.stderr
+    assert "digits: 1437 train / 360 held-out images, 2 rank(s), backend gloo" in screen
+    accuracy = float(screen.split("held-out accuracy: ")[1].split()[0])
+    assert accuracy > 0.85, screen
+    assert "summary: 2 rank(s), backend gloo" in screen
+    assert "samples/s" in screen
+    assert "straggler" not in screen, "an even job: no verdict"
+    assert "step times per rank" in screen, "each rank's steps, timed with no code change"
+    if terminal.available() is not None:
+        return
     lines = [line.rstrip() for line in screen.splitlines() if line.strip()]
     for epoch in range(3):
         mine = [line for line in lines if f"epoch {epoch}: train loss" in line]

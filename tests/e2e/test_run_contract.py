@@ -7,9 +7,11 @@ import stat
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
+from ddpkit.common.procs import is_alive, processes_of_job
 from tests.e2e.helpers import SCRIPTS, bound, start
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,7 +69,7 @@ def test_cuda_visible_devices_is_passed_through(tmp_path):
     assert json.loads((tmp_path / "env-1.json").read_text())["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_output_is_prefixed_by_rank_and_logged_per_rank_in_a_private_folder(tmp_path):
+def test_output_is_prefixed_by_rank_and_logged_per_rank_in_private_files(tmp_path):
     job = start(["-n", "2", str(SCRIPTS / "env_dump.py"), str(tmp_path)], tmp_path)
     assert job.finish() == 0
     assert "[rank 0] hello from rank 0" in job.stdout
@@ -75,8 +77,10 @@ def test_output_is_prefixed_by_rank_and_logged_per_rank_in_a_private_folder(tmp_
     run_dir = job.log_dir / job.run_id
     assert str(run_dir) in job.stderr, "the run folder is named at start"
     assert f"every rank exited 0; logs in {run_dir}" in job.err[-1], "and again at the end"
-    assert (job.log_dir / "latest").resolve() == run_dir.resolve(), "latest is the newest run"
+    assert (job.log_dir / "latest").is_symlink(), "latest points at the newest run"
+    assert (job.log_dir / "latest").resolve() == run_dir.resolve()
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run_dir / "rank0.log").stat().st_mode) == 0o600
     log = (run_dir / "rank1.log").read_text()
     assert "hello from rank 1" in log
     assert "to stderr from rank 1" in log
@@ -101,14 +105,6 @@ def test_a_program_runs_with_no_python(tmp_path):
     assert job.finish() == 0
     assert "[rank 0] rank=0" in job.stdout
     assert "[rank 1] rank=1" in job.stdout
-
-
-def test_a_plain_torch_script_forms_one_group(tmp_path):
-    job = start(["-n", "3", str(SCRIPTS / "world.py")], tmp_path)
-    assert job.finish() == 0
-    for rank in range(3):
-        assert f"rank {rank} of 3 sum 3" in job.stdout
-    assert not job.survivors()
 
 
 def test_max_restarts_restarts_the_group_and_the_example_resumes(tmp_path):
@@ -165,17 +161,20 @@ def test_without_restarts_the_same_failure_ends_the_job(tmp_path):
     assert time.monotonic() - started < bound(60)
 
 
-def test_a_one_node_launcher_imports_no_torch_and_rank_0_serves_the_store(tmp_path):
-    """Rank 0 serves the job's store on the socket the launcher binds (no race for the port),
+def test_a_plain_torch_script_forms_one_group_whose_store_rank_0_serves(tmp_path):
+    """A script with no ddpkit in it (init_process_group, all_reduce) forms one group of 3.
+    Rank 0 serves the job's store on the socket the launcher binds (no race for the port),
     so the launcher needs no torch: a third of a 2-rank job's CPU (benchmarks/job_cost.py)."""
+    run_id = "plain" + uuid.uuid4().hex[:6]
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "ddpkit", "run", "-n", "3",
-         "--log-dir", str(tmp_path / "logs"), str(SCRIPTS / "world.py")],
+        [sys.executable, "-X", "importtime", "-m", "ddpkit", "run", "-n", "3", "--run-id",
+         run_id, "--log-dir", str(tmp_path / "logs"), str(SCRIPTS / "world.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     for rank in range(3):
         assert f"rank {rank} of 3 sum 3" in out.stdout
+    assert not [p for p in processes_of_job(run_id) if is_alive(p)]
     launcher = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
     assert launcher, "importtime's lines are the launcher's own (the ranks' are prefixed)"
     assert not [line for line in launcher if " torch" in line], "the launcher imported torch"

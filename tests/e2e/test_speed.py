@@ -32,16 +32,83 @@ WINDOW = ["--straggler-window", "30"]
 COMPUTE = re.compile(r"straggler: rank 1 \(.*\) computes (\d+\.\d+)x the median rank")
 
 
+def top_reads_it_as_json_and_as_a_live_table_and_never_touches_it(job, world, tmp_path) -> None:
+    """`ddpkit top --once --json` and the live table (160 and 80 columns) on a running job."""
+    deadline = time.monotonic() + bound(60)
+    rows: list = []
+    while time.monotonic() < deadline and len(rows) < world:
+        out = subprocess.run(
+            [sys.executable, "-m", "ddpkit", "top", job.run_id, "--once", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if out.returncode == 2 and "no job" in out.stderr:  # its ranks are not up yet
+            time.sleep(0.5)
+            continue
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)["ranks"]
+        time.sleep(1)
+    assert [r["rank"] for r in rows] == list(range(world))
+    for r in rows:
+        assert r["median_s"] > 0
+        assert abs(sum(r["split"].values()) - 1) < 0.01
+        assert set(r["split"]) == {"data", "compute", "comm", "host"}
+        assert r["facts"]["host"]["cores"] >= 1
+    assert job.proc.poll() is None, "top --once must not stop the job"
+    if terminal.available() is not None:
+        return  # the live table needs a terminal
+    with contextlib.ExitStack() as terms:  # each terminal closed, whatever fails
+        term = terms.enter_context(
+            contextlib.closing(
+                terminal.Terminal([sys.executable, "-m", "ddpkit", "top", job.run_id], tmp_path)
+            )
+        )
+        deadline = time.monotonic() + bound(60)
+        screen = ""
+        while time.monotonic() < deadline and not re.search(r"│\s+1 │", screen):
+            time.sleep(0.5)
+            screen = term.screen()
+        assert re.search(r"│\s+1 │", screen), f"no row of rank 1:\n{screen}"
+        assert f"job {job.run_id}" in screen
+        first = term.screen()
+        time.sleep(2.5)
+        assert term.screen() != first, f"the table refreshes (at least once a second):\n{first}"
+        term.keys("q")
+        assert term.exit_code(20) == 0
+        assert job.proc.poll() is None, "quitting top never touches the job"
+        # an 80-column terminal: short headers, every value whole, one line per rank
+        narrow = terms.enter_context(
+            contextlib.closing(
+                terminal.Terminal(
+                    [sys.executable, "-m", "ddpkit", "top", job.run_id], tmp_path, width=80
+                )
+            )
+        )
+        screen = narrow.wait_for("split %", timeout=bound(30))
+        rows = [line for line in screen.splitlines() if re.match(r"\s+\d\s+\d", line)]
+        assert len(rows) == world, f"one line per rank:\n{screen}"
+        assert "…" not in screen, f"a value cut short:\n{screen}"
+        narrow.keys("q")
+        assert narrow.exit_code(20) == 0
+
+
 def verdicts(text: str) -> list[str]:
     return [line for line in text.splitlines() if "straggler:" in line]
 
 
 @pytest.mark.parametrize(("world", "phases"), [(3, ["even", "data", "even", "compute:1.5"])])
-def test_the_slowed_rank_is_named_with_its_cause_and_an_even_phase_with_none(
+def test_the_slowed_rank_is_named_with_its_cause_an_even_phase_with_none_and_top_shows_it(
     tmp_path, world, phases
 ):
     job = start(["-n", str(world), *WINDOW, SCRIPT, *phases, "--phase", "250"], tmp_path)
     began = time.monotonic()
+    try:
+        top_reads_it_as_json_and_as_a_live_table_and_never_touches_it(job, world, tmp_path)
+    except BaseException:
+        job.proc.terminate()
+        job.finish(60)
+        raise
     first_fault = next(p for p in phases if p != "even")
     job.wait_for(f"[rank 0] phase {first_fault}", timeout=bound(120))
     assert not verdicts(job.stderr), f"a verdict on an even job of {world} ranks:\n{job.stderr}"
@@ -144,72 +211,6 @@ def _rank_of(proc: psutil.Process, run_id: str) -> int | None:
     if env.get("_DDPKIT_JOB") == run_id and launcher and proc.ppid() == int(launcher):
         return int(env["RANK"])  # the rank itself, not a child it forked
     return None
-
-
-def test_top_reads_a_running_job_as_json_and_as_a_live_table_and_never_touches_it(tmp_path):
-    job = start(["-n", "2", SCRIPT, "even", "--phase", "100000"], tmp_path)
-    try:
-        deadline = time.monotonic() + bound(60)
-        rows: list = []
-        while time.monotonic() < deadline and len(rows) < 2:
-            out = subprocess.run(
-                [sys.executable, "-m", "ddpkit", "top", job.run_id, "--once", "--json"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            if out.returncode == 2 and "no job" in out.stderr:  # its ranks are not up yet
-                time.sleep(0.5)
-                continue
-            assert out.returncode == 0, out.stderr
-            rows = json.loads(out.stdout)["ranks"]
-            time.sleep(1)
-        assert [r["rank"] for r in rows] == [0, 1]
-        for r in rows:
-            assert r["median_s"] > 0
-            assert abs(sum(r["split"].values()) - 1) < 0.01
-            assert set(r["split"]) == {"data", "compute", "comm", "host"}
-            assert r["facts"]["host"]["cores"] >= 1
-        assert job.proc.poll() is None, "top --once must not stop the job"
-        if terminal.available() is not None:
-            pytest.skip(f"the live table needs a terminal: {terminal.available()}")
-        with contextlib.ExitStack() as terms:  # each terminal closed, whatever fails
-            term = terms.enter_context(
-                contextlib.closing(
-                    terminal.Terminal([sys.executable, "-m", "ddpkit", "top", job.run_id], tmp_path)
-                )
-            )
-            deadline = time.monotonic() + bound(60)
-            screen = ""
-            while time.monotonic() < deadline and not re.search(r"│\s+1 │", screen):
-                time.sleep(0.5)
-                screen = term.screen()
-            assert re.search(r"│\s+1 │", screen), f"no row of rank 1:\n{screen}"
-            assert f"job {job.run_id}" in screen
-            first = term.screen()
-            time.sleep(2.5)
-            assert term.screen() != first, f"the table refreshes (at least once a second):\n{first}"
-            term.keys("q")
-            assert term.exit_code(20) == 0
-            assert job.proc.poll() is None, "quitting top never touches the job"
-            # an 80-column terminal: short headers, every value whole, one line per rank
-            narrow = terms.enter_context(
-                contextlib.closing(
-                    terminal.Terminal(
-                        [sys.executable, "-m", "ddpkit", "top", job.run_id], tmp_path, width=80
-                    )
-                )
-            )
-            screen = narrow.wait_for("split %", timeout=bound(30))
-            rows = [line for line in screen.splitlines() if re.match(r"\s+[01]\s+\d", line)]
-            assert len(rows) == 2, f"one line per rank:\n{screen}"
-            assert "…" not in screen, f"a value cut short:\n{screen}"
-            narrow.keys("q")
-            assert narrow.exit_code(20) == 0
-    finally:
-        job.proc.terminate()
-        job.finish(60)
-    assert not job.survivors()
 
 
 def test_top_without_a_job_says_so():

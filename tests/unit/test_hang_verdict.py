@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from ddpkit.common import frames, protocol
 from ddpkit.launch.hang.places import Frame, main_thread, parse_threads, user_frames, verdict, where
 
@@ -147,3 +149,20 @@ def test_a_rank_blocked_in_backward_through_a_hang_waits_in_ddps_all_reduce():
         Frame("/home/me/train.py", 80, "<module>"),
     ]
     assert where(stack, None, None, hung=True) == ("wait in all_reduce", "train.py:50")
+
+
+@pytest.mark.parametrize(
+    ("backend", "before", "seen", "waits"),
+    [
+        ("nccl", (6, (("0", 7),)), (6, (("0", 7),)), True),  # the same pending twice: waits
+        ("nccl", (6, (("0", 7),)), (7, (("0", 8),)), False),  # one completed between: moves
+        ("nccl", None, (6, (("0", 7),)), False),  # the first poll: nothing to compare yet
+        ("nccl", (7, None), (7, None), False),  # nothing pending: between collectives
+        ("gloo", (6, (("0", 7),)), (6, (("0", 7),)), False),  # gloo's count lags: CPU decides
+        (None, (6, (("0", 7),)), (6, (("0", 7),)), False),  # backend not known yet
+    ],
+)
+def test_the_flight_recorder_says_a_rank_waits_only_for_nccl(backend, before, seen, waits):
+    from ddpkit.launch.hang.watch import waits_in_flight
+
+    assert waits_in_flight(backend, before, seen) is waits

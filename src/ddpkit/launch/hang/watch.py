@@ -173,12 +173,8 @@ class HangWatch:
                 seen = flight.progress_state(dump)
                 if state.nccl is not None and seen[0] > state.nccl[0]:
                     state.last_progress = now
-                state.stuck_in_nccl = (
-                    seen[1] is not None
-                    and state.nccl is not None
-                    and seen[1] == state.nccl[1]
-                    and seen[0] == state.nccl[0]
-                )
+                group = protocol.read_group(self.state_dir, w.rank)
+                state.stuck_in_nccl = waits_in_flight(group[0] if group else None, state.nccl, seen)
                 state.nccl = seen
             flight.ask(self.state_dir, w.rank)
 
@@ -186,6 +182,17 @@ class HangWatch:
         local = self._local_stall(now)
         remote = self.peers.last_remote_progress()  # None: no other node
         return local if remote is None else min(local, now - remote)
+
+
+def waits_in_flight(
+    backend: str | None, before: tuple[int, Any] | None, seen: tuple[int, Any]
+) -> bool:
+    """A rank waits in a collective by its flight recorder: the same collective pending at two
+    polls in a row, none completed between them. NCCL ranks only: gloo's recorder can count a
+    collective completed late (a rank that had returned from DDP's all_reduce and computed for
+    9 s still showed it pending, and was called hung), and a gloo rank's progress record and
+    CPU time already say whether it waits or works."""
+    return backend == "nccl" and before is not None and seen[1] is not None and seen == before
 
 
 def holds_gil(state_dir: Path, rank: int, record: protocol.Record | None) -> bool:
