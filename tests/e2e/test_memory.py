@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from tests.e2e import reference
 from tests.e2e.helpers import SCRIPTS, bound, start
 
 pytestmark = pytest.mark.timeout(240)
@@ -55,17 +56,18 @@ def losses(text: str) -> dict[tuple[int, int], str]:
 
 def test_a_batch_that_does_not_fit_on_one_rank_is_halved_on_every_rank_and_resumes(tmp_path):
     # rank 1 runs out of memory at micro-batch 32: every rank halves, at the same step, and
-    # the losses are those of a run that started at 16; a resumed run goes on at 16
+    # the losses are those of a run that started at 16 (tests/e2e/reference.py); a resumed
+    # run goes on at 16
     fitted = start(["-n", "3", FIT, str(tmp_path / "a"), "--steps", "6", "--stop-after", "4"],
                    tmp_path)  # fmt: skip
-    small = start(["-n", "3", FIT, str(tmp_path / "b"), "--steps", "6", "--micro", "16"],
-                  tmp_path)  # fmt: skip
+    small = reference.never_stopped(FIT, [str(tmp_path / "b"), "--steps", "6", "--micro", "16"],
+                                    3, tmp_path / "reference")  # fmt: skip
     assert fitted.finish(bound(120)) == 0, fitted.stderr
-    assert small.finish(bound(120)) == 0, small.stderr
     said = [line for line in fitted.err if "ran out of memory at micro-batch" in line]
     assert said == ["[rank 0] ddpkit: rank 1 ran out of memory at micro-batch 32: every rank "
                     "now runs 2 x 16\n"], fitted.stderr  # fmt: skip
-    expected = losses(small.stdout)
+    expected = losses(small)
+    assert sorted(expected) == [(r, s) for r in range(3) for s in range(1, 7)]
     got = losses(fitted.stdout)
     assert sorted(got) == [(r, s) for r in range(3) for s in range(1, 5)]
     assert {k: expected[k] for k in got} == got
@@ -75,5 +77,5 @@ def test_a_batch_that_does_not_fit_on_one_rank_is_halved_on_every_rank_and_resum
     rest = losses(resumed.stdout)
     assert sorted(rest) == [(r, s) for r in range(3) for s in (5, 6)]
     assert {k: expected[k] for k in rest} == rest
-    for job in (fitted, small, resumed):
+    for job in (fitted, resumed):
         assert not job.survivors()
