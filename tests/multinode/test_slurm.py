@@ -76,25 +76,24 @@ def test_a_lost_node_under_slurm_stops_the_job(cluster, tmp_path):
 def test_srun_forms_the_job_and_a_preempted_job_saves_on_usr1_and_resumes_exactly(
     cluster, tmp_path
 ):
-    """srun starts one launcher per node and the job forms from SLURM's variables (the
-    reference run below). Then the SLURM recipe (docs/api.md): `#SBATCH --signal=USR1@90`
-    sends SIGUSR1 before the end; the script saves on s.stop_requested and leaves; the
-    requeued job resumes, and every rank's every step equals the job that was never stopped:
-    2 nodes x 2 ranks (issue 21: 4 of 120 step lines differed by an ulp)."""
+    """srun starts one launcher per node and the job forms from SLURM's variables. Then the
+    SLURM recipe (docs/api.md): `#SBATCH --signal=USR1@90` sends SIGUSR1 before the end; the
+    script saves on s.stop_requested and leaves; the requeued job resumes, and every rank's
+    every step equals a run that was never stopped (tests/e2e/reference.py, 4 ranks on one
+    machine: the job's own steps before the signal are compared with it too): 2 nodes x 2
+    ranks (issue 21: 4 of 120 step lines differed by an ulp)."""
+    from tests.e2e import reference
     from tests.e2e.helpers import SCRIPTS
     from tests.e2e.test_resume_sizes import losses
 
+    program = str(SCRIPTS / "examples_style.py")
+
     def script(state: str) -> list[str]:
-        return [str(SCRIPTS / "examples_style.py"), str(tmp_path / state), "-j", "0"]
+        return [program, str(tmp_path / state), "-j", "0"]
 
     srun = ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2"]
-    never = cluster.srun([*srun, *script("never")], tmp_path)
-    assert never.finish(120) == 0, never.stderr
-    assert "(node 1 of 2, node1;" in never.stderr
-    assert never.stderr.count("store at node0:") == 2, "every rank dials node 0"
-    assert never.stderr.count("world size 4") == 2, "one job of both nodes"
-    assert_quiet(never)
-    expected = losses(never.stdout)
+    never = reference.never_stopped(program, script("never")[1:], 4, tmp_path / "reference")
+    expected = losses(never)
     assert len(expected) == 4 * 15
     # Steps of 0.5 s, the signal at step 3 of 15: the ranks compare their stop flags at most
     # a second apart (train/stopping.py), and scancel's delivery through slurmctld and slurmd
@@ -104,6 +103,9 @@ def test_srun_forms_the_job_and_a_preempted_job_saves_on_usr1_and_resumes_exactl
     (job,) = cluster.jobs()
     cluster.scancel("--signal=USR1", job)
     step.finish(60)
+    assert "(node 1 of 2, node1;" in step.stderr
+    assert step.stderr.count("store at node0:") == 2, "every rank dials node 0"
+    assert step.stderr.count("world size 4") == 2, "one job of both nodes"
     # scancel --signal reaches every node's launcher (as TERM, INT or any other signal would)
     assert step.stderr.count("the job was stopped") == 2, step.stderr
     assert "stopped by SIGUSR1" in step.stderr
@@ -112,6 +114,7 @@ def test_srun_forms_the_job_and_a_preempted_job_saves_on_usr1_and_resumes_exactl
     again = cluster.srun([*srun, *script("state")], tmp_path)
     assert again.finish(120) == 0, again.stderr
     assert f"resumed at step {stopped.group(1)} " in again.stdout
+    assert_quiet(again)
     assert "finished" in again.stdout
     before, after = losses(step.stdout), losses(again.stdout)
     assert set(before) | set(after) == set(expected)
