@@ -155,16 +155,17 @@ def test_the_demo_trains_to_its_accuracy_with_one_clean_line_per_epoch_in_a_term
     # on CPU ranks wherever it runs; in a real terminal where tmux is installed (CI), else
     # through pipes, where only the training and its report are checked
     demo = ["env", "CUDA_VISIBLE_DEVICES=", *DDPKIT, "demo", "--epochs", "3"]
-    if terminal.available() is None:
-        term = terminal.Terminal([*demo, "--log-dir", str(tmp_path)], tmp_path)
+    demo += ["--log-dir", str(tmp_path)]
+    in_terminal = terminal.available() is None
+    if in_terminal:
+        term = terminal.Terminal(demo, tmp_path)
         try:
             assert term.exit_code(150) == 0, term.screen()
             screen = term.screen()
         finally:
             term.close()
     else:
-        out = subprocess.run([*demo, "--log-dir", str(tmp_path)], capture_output=True,
-                             text=True, timeout=150, cwd=tmp_path)  # fmt: skip
+        out = subprocess.run(demo, capture_output=True, text=True, timeout=150, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         screen = out.stdout + out.stderr
     assert "digits: 1437 train / 360 held-out images, 2 rank(s), backend gloo" in screen
@@ -174,7 +175,7 @@ def test_the_demo_trains_to_its_accuracy_with_one_clean_line_per_epoch_in_a_term
     assert "samples/s" in screen
     assert "straggler" not in screen, "an even job: no verdict"
     assert "step times per rank" in screen, "each rank's steps, timed with no code change"
-    if terminal.available() is not None:
+    if not in_terminal:
         return
     lines = [line.rstrip() for line in screen.splitlines() if line.strip()]
     for epoch in range(3):

@@ -88,17 +88,16 @@ def test_srun_forms_the_job_and_a_preempted_job_saves_on_usr1_and_resumes_exactl
 
     program = str(SCRIPTS / "examples_style.py")
 
-    def script(state: str) -> list[str]:
-        return [program, str(tmp_path / state), "-j", "0"]
+    def args(state: str) -> list[str]:
+        return [str(tmp_path / state), "-j", "0"]
 
     srun = ["-N2", "--ntasks-per-node=1", *DDPKIT, "-n", "2"]
-    never = reference.never_stopped(program, script("never")[1:], 4, tmp_path / "reference")
-    expected = losses(never)
+    expected = losses(reference.never_stopped(program, args("never"), 4, tmp_path / "reference"))
     assert len(expected) == 4 * 15
     # Steps of 0.5 s, the signal at step 3 of 15: the ranks compare their stop flags at most
     # a second apart (train/stopping.py), and scancel's delivery through slurmctld and slurmd
     # took over a second in CI; with 0.1 s steps from step 7 the job could end first.
-    step = cluster.srun([*srun, *script("state"), "--sleep", "0.5"], tmp_path)
+    step = cluster.srun([*srun, program, *args("state"), "--sleep", "0.5"], tmp_path)
     step.wait_for("loss rank 0 epoch 0 step 3 =", timeout=120)
     (job,) = cluster.jobs()
     cluster.scancel("--signal=USR1", job)
@@ -111,7 +110,7 @@ def test_srun_forms_the_job_and_a_preempted_job_saves_on_usr1_and_resumes_exactl
     assert "stopped by SIGUSR1" in step.stderr
     stopped = re.search(r"stopped at step (\d+), state saved", step.stdout)
     assert stopped, step.stdout + step.stderr
-    again = cluster.srun([*srun, *script("state")], tmp_path)
+    again = cluster.srun([*srun, program, *args("state")], tmp_path)
     assert again.finish(120) == 0, again.stderr
     assert f"resumed at step {stopped.group(1)} " in again.stdout
     assert_quiet(again)

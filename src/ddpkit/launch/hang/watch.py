@@ -46,6 +46,7 @@ class RankState:
     said_io: bool = False
     nccl: tuple[int, int | None] | None = None  # (last completed seq, oldest pending seq)
     stuck_in_nccl: bool = False
+    backend: str | None = None  # its process group's, read once the rank wrote it
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,10 @@ class HangWatch:
                 seen = flight.progress_state(dump)
                 if state.nccl is not None and seen[0] > state.nccl[0]:
                     state.last_progress = now
-                group = protocol.read_group(self.state_dir, w.rank)
-                state.stuck_in_nccl = waits_in_flight(group[0] if group else None, state.nccl, seen)
+                if state.backend is None:
+                    group = protocol.read_group(self.state_dir, w.rank)
+                    state.backend = group[0] if group else None
+                state.stuck_in_nccl = waits_in_flight(state.backend, state.nccl, seen)
                 state.nccl = seen
             flight.ask(self.state_dir, w.rank)
 
