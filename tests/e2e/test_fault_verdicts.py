@@ -153,7 +153,7 @@ def test_a_crash_names_the_line_it_died_at_and_the_workers_own_error(
 def memory_cgroup_for_test() -> Path | None:
     """A child of this process's memory cgroup, where one can be made (root, cgroup v1 or v2
     with the memory controller), else None."""
-    from ddpkit.launch.causes import memory_cgroup
+    from ddpkit.common.host_memory import memory_cgroup
 
     parent = memory_cgroup()
     if parent is None or os.geteuid() != 0:
@@ -187,7 +187,7 @@ def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(tmp_path, eat
         cause = re.search(r"root cause: (.*)", done.stderr).group(1)
         assert cause.startswith(
             f"rank {eater} was killed by the kernel's OOM killer: the job's memory cgroup "
-            "(limit 3.0 GiB) ran out of memory; its processes last held"
+            "(limit 3 GiB) ran out of memory; its processes last held"
         ), done.stderr
         assert "fix: use less host memory per rank" in done.stderr
     finally:

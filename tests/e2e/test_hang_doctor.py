@@ -63,11 +63,15 @@ def test_the_verdict_names_user_lines_in_a_project_folder_named_like_a_library(t
     assert f"rank 1 is elsewhere: stuck_here ({at('stuck-here')})" in verdict
 
 
-def test_a_collective_called_only_on_rank_0_is_named(tmp_path):
-    code, verdict, took, _ = run_hang(tmp_path, "only-rank-0")
+def test_a_collective_called_only_on_rank_0_is_named_as_a_mismatch_with_its_branch(tmp_path):
+    code, verdict, took, job = run_hang(tmp_path, "only-rank-0")
     assert code == HANG_EXIT
-    assert f"rank 0 waits in all_reduce ({at('rank-0-only')})" in verdict
-    assert f"rank 1 waits in barrier ({at('others-barrier')})" in verdict
+    assert "the ranks called different collectives: " in verdict
+    assert f"rank 0 all_reduce #1 of [4] at {at('rank-0-only')}" in verdict
+    assert f"rank 1 barrier #1 at {at('others-barrier')}" in verdict
+    branch = int(at("rank-0-only").split(":")[1]) - 1
+    assert f"look at the branch at hangs.py:{branch} (`if rank == 0:`)" in job.stderr
+    assert "raise --hang-timeout" not in job.stderr, "no timeout fixes a mismatch"
     assert took < bound(HANG_TIMEOUT + 10)
 
 
@@ -88,13 +92,17 @@ def test_a_rank_stuck_in_a_dataloader_worker_is_named(tmp_path):
 
 
 def test_mismatched_shapes_name_each_ranks_call(tmp_path):
-    code, verdict, took, _ = run_hang(tmp_path, "shapes")
+    code, verdict, took, job = run_hang(tmp_path, "shapes")
     assert code != 0
     site = at("shapes-collective")
     assert (
-        f"collectives differ across ranks: rank 0 called all_reduce with shape [4] ({site}); "
-        f"rank 1 called all_reduce with shape [5] ({site})"
+        f"the ranks called all_reduce with different shapes: rank 1 all_reduce of [5] at {site}; "
+        f"rank 0 all_reduce of [4] at {site}"
     ) in verdict
+    assert (
+        "fix: every rank must call the same collectives, in the same order, with the same "
+        "shapes" in job.stderr
+    )
     assert took < bound(HANG_TIMEOUT + 10)
 
 
@@ -104,7 +112,8 @@ def test_check_collectives_names_the_first_divergence(tmp_path):
         tmp_path,
     )
     assert job.finish(60) == 1
-    assert f"rank 0 called all_reduce with shape [4] ({at('shapes-collective')})" in job.stderr
+    site = at("shapes-collective")
+    assert f"rank 1 all_reduce of [5] at {site}; rank 0 all_reduce of [4] at {site}" in job.stderr
     assert "Detected mismatch" in job.stderr
     assert not job.survivors()
 

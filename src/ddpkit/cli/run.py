@@ -73,7 +73,11 @@ def start(cfg: config.LaunchConfig) -> int:
     then hand over to the supervisor (which imports torch)."""
     from ddpkit.launch import ports
 
-    warnings = [ports.warn_privileged(cfg.master_port), *mistakes.environment_warnings(os.environ)]
+    warnings = [
+        ports.warn_privileged(cfg.master_port),
+        *mistakes.environment_warnings(os.environ),
+        *mistakes.rendezvous_warnings(os.environ, cfg.master_addr, cfg.master_port),
+    ]
     for warning in filter(None, warnings):
         print(f"ddpkit: warning: {warning}", file=sys.stderr, flush=True)
     from ddpkit.launch.supervisor import launch

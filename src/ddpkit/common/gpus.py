@@ -57,6 +57,23 @@ def visible_gpu_count(environ: dict[str, str] | None = None) -> int:
     return min(count, physical)
 
 
+def utilization(uuid: str) -> tuple[int, int] | None:
+    """(the GPU's index, the percent of the last sample period a kernel ran on it) for the
+    GPU with this UUID (torch's form, without NVML's 'GPU-' prefix, is taken too); None
+    without NVML or no such GPU."""
+    name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    with nvml() as pynvml:
+        if pynvml is None:
+            return None
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+            index = int(pynvml.nvmlDeviceGetIndex(handle))
+            return index, int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception as err:
+            debug_note("nvml utilization", err)
+            return None
+
+
 # NVML's NVLink version enum -> (generation, one-way GB/s per link); GB/s per PCIe lane.
 NVLINK = {
     1: ("1", 20.0),

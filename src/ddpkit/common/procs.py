@@ -95,6 +95,49 @@ def _launcher_job(proc: psutil.Process) -> str | None:
     return None
 
 
+def shown_command(words: list[str]) -> str:
+    """The command as the user wrote it: a rank of ddpkit run shows its script ('python
+    train.py --lr 3e-4'), not the bootstrap that runs it."""
+    if "ddpkit.rank.bootstrap" in words:
+        at = words.index("ddpkit.rank.bootstrap")
+        rest = words[at + 1 :]
+        if len(rest) >= 2:
+            kind, target, *args = rest
+            python = os.path.basename(words[0]) if words else "python"
+            shown = {"script": [python, target], "module": [python, "-m", target]}
+            return " ".join(shown.get(kind, [target]) + args)
+    return " ".join(words)
+
+
+def port_holder(port: int) -> tuple[str, str | None]:
+    """('pid N (command)', the ddpkit job it belongs to or None) of what listens on `port`,
+    when this user can see it; ('', None) otherwise."""
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:
+                proc = psutil.Process(conn.pid)
+                text = shown_command(proc.cmdline()) or proc.name()
+                text = text if len(text) <= 60 else text[:57] + "..."
+                job = job_of(_environ(proc)) or _launcher_job(proc)
+                if job is not None and job.startswith(("env:", "torchrun:")):
+                    return f"pid {conn.pid} ({text}; {job.split(':')[0]} job)", job
+                return f"pid {conn.pid} ({text})", job
+    except (psutil.Error, OSError):
+        pass
+    return "", None
+
+
+def port_taken_fix(port: int, whose: str = "the script's") -> str:
+    """What to do about a port another process holds, naming the holder where it can be seen."""
+    holder, job = port_holder(port)
+    by = f"port {port} is held by {holder}" if holder else f"port {port} is held by another process"
+    kill = f"; `ddpkit kill {job}` ends that job" if job and ":" not in job else ""
+    return (
+        f"{by}: let ddpkit run choose the port (drop {whose} own MASTER_PORT: ddpkit run gives "
+        f"every rank a free one), or pass ddpkit run --master-port with a free port{kill}"
+    )
+
+
 def list_training_processes() -> list[TrainingProcess]:
     """Every launcher, worker and worker's child visible to this user."""
     gpu_mem = _gpu_memory_by_pid()
@@ -123,7 +166,7 @@ def list_training_processes() -> list[TrainingProcess]:
                 role=role,
                 state=proc.info["status"],
                 age_s=time.time() - proc.info["create_time"],
-                cmd=" ".join(proc.info["cmdline"] or [])[:80],
+                cmd=shown_command(proc.info["cmdline"] or [])[:80],
                 orphan=_is_orphan(proc, environ),
                 ports=_listening_ports(proc),
                 gpu_mem_mib=gpu_mem.get(proc.pid),

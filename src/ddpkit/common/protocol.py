@@ -80,6 +80,28 @@ PHASES = ("started", "init", "ready")
 # Python writes to sys.stderr between these, so the launcher can send it to its own stderr.
 ERR_START = b"\x1e\x02"
 ERR_END = b"\x1e\x03"
+# what goes to the rank's log but not the console: a peer's failure's whole traceback (the
+# report names the root cause), ddpkit's own error (the report prints it once for the job)
+LOG_START = b"\x1e\x04"
+LOG_END = b"\x1e\x05"
+LOG_ONLY = 3  # the stream number of what is between LOG_START and LOG_END
+
+# Words by which a rank's error says it failed because of a peer (the peer closed its
+# connections, died, or a timeout ran out while it waited for one): never the root cause while
+# another rank failed for itself.
+VICTIM_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+WAITING_WORDS = VICTIM_WORDS + (
+    "Timed out waiting",
+    "timed out",
+    "Timed out",
+    "Watchdog caught collective operation timeout",
+)
 
 
 def state_path(state_dir: str | Path, rank: int | str, name: str) -> Path:
@@ -138,6 +160,7 @@ class ErrorRecord:
     traceback: str = ""
     exit_code: int | None = None  # the code the rank exits with, when it chose one
     fix: str = ""  # what the user can do, when the rank could tell (ddpkit.rank.hints)
+    whole: bool = False  # ddpkit's own sentence (a DdpkitError): shown whole, never cut
 
 
 def write_error(state_dir: str | Path, rank: int | str, record: ErrorRecord) -> None:
@@ -161,10 +184,12 @@ def read_error(state_dir: str | Path, rank: int | str) -> ErrorRecord | None:
 # time every TICK_EVERY s: a tick that stops while the rank burns CPU means some C code holds
 # the GIL (no Python thread can run), so that CPU time is not progress.
 
-_RECORD = struct.Struct("<QQdB7x32s96s160sd")
+_RECORD = struct.Struct("<QQdB7x32s96s160sdd48s")
 RECORD_SIZE = _RECORD.size
 BEATS_OFFSET = 8
-TICK_OFFSET = _RECORD.size - 8
+TICK_OFFSET = 320  # after finished, beats, since, inside (padded), op, shapes, site
+STILL_OFFSET = TICK_OFFSET + 8
+GPU_OFFSET = STILL_OFFSET + 8
 TICK_EVERY = 0.5  # seconds between the rank's ticks
 
 
@@ -178,6 +203,10 @@ class Record:
     shapes: str = ""
     site: str = ""  # file:line of the user's call
     ticked: float = 0.0  # wall time of the rank's last tick (0: it does not tick)
+    # wall time since which the script's thread has stood at one place (one call into C: a
+    # GPU sync, a blocking read); 0 while it moves
+    still: float = 0.0
+    gpu: str = ""  # the UUID of the GPU the rank uses, once it uses one ("" on the CPU)
 
 
 class RecordWriter:
@@ -196,7 +225,8 @@ class RecordWriter:
         self._write(False, "", "", "", 0.0)
 
     def _write(self, inside: bool, op: str, shapes: str, site: str, since: float) -> None:
-        self._map[:RECORD_SIZE] = _RECORD.pack(
+        # the tick thread's fields (ticked, still, gpu) are its own: never written here
+        self._map[:TICK_OFFSET] = _RECORD.pack(
             self.finished,
             self.beats,
             since,
@@ -204,13 +234,19 @@ class RecordWriter:
             op.encode()[:32],
             shapes.encode()[:96],
             site.encode()[:160],
-            self.ticked,
-        )
+            0.0,
+            0.0,
+            b"",
+        )[:TICK_OFFSET]
 
-    def tick(self) -> None:
-        """The rank's Python threads run (called by its tick thread)."""
+    def tick(self, still: float = 0.0) -> None:
+        """The rank's Python threads run (called by its tick thread); `still`: since when the
+        script's thread has stood at one place, 0 while it moves."""
         self.ticked = time.time()
-        struct.pack_into("<d", self._map, TICK_OFFSET, self.ticked)
+        struct.pack_into("<dd", self._map, TICK_OFFSET, self.ticked, still)
+
+    def set_gpu(self, uuid: str) -> None:
+        struct.pack_into("48s", self._map, GPU_OFFSET, uuid.encode()[:48])
 
     def enter(self, op: str, shapes: str, site: str) -> None:
         self._write(True, op, shapes, site, time.time())
@@ -232,9 +268,19 @@ def read_record(state_dir: str | Path, rank: int | str) -> Record | None:
         return None
     if len(raw) < RECORD_SIZE:
         return None
-    finished, beats, since, inside, op, shapes, site, ticked = _RECORD.unpack(raw[:RECORD_SIZE])
+    fields = _RECORD.unpack(raw[:RECORD_SIZE])
+    finished, beats, since, inside, op, shapes, site, ticked, still, gpu = fields
     return Record(
-        finished, beats, since, bool(inside), _text(op), _text(shapes), _text(site), ticked
+        finished,
+        beats,
+        since,
+        bool(inside),
+        _text(op),
+        _text(shapes),
+        _text(site),
+        ticked,
+        still,
+        _text(gpu),
     )
 
 

@@ -6,13 +6,14 @@ ended it (the memory cgroup's oom_kill counter, or the kernel log where it can b
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
 from pathlib import Path
 
 from ddpkit.common import protocol
+from ddpkit.common.host_memory import memory_cgroup, memory_limit, oom_kills
+from ddpkit.common.units import size
 
 # signals after which faulthandler has written the rank's stack to its fault file
 FATAL = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
@@ -34,7 +35,7 @@ def error_text(error: protocol.ErrorRecord) -> str:
         message = own
     elif message:
         message = message.splitlines()[0] if len(message.splitlines()) > 1 else message
-    return f"{kind}: {short(message)}"
+    return f"{kind}: {message if error.whole else short(message)}"
 
 
 def error_site(error: protocol.ErrorRecord) -> str:
@@ -92,66 +93,6 @@ def fault_site(state_dir: Path, rank: int) -> str:
 # -- the kernel's OOM killer ------------------------------------------------------------------
 
 
-def memory_cgroup(pid: int | str = "self") -> Path | None:
-    """The folder of a process's memory cgroup (v2 unified, or v1's memory controller)."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    paths = {}
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            for controller in parts[1].split(",") or [""]:
-                paths[controller] = parts[2]
-    for mount in mounts:
-        fields = mount.split()
-        if " - " not in mount or len(fields) < 5:
-            continue
-        root, point = fields[3], fields[4]
-        kind, _, options = mount.split(" - ", 1)[1].partition(" ")
-        if kind.startswith("cgroup2") and "" in paths:
-            inner = paths[""]
-        elif (
-            kind.startswith("cgroup")
-            and "memory" in options.split()[-1].split(",")
-            and "memory" in paths
-        ):
-            inner = paths["memory"]
-        else:
-            continue
-        relative = os.path.relpath(inner, root) if inner.startswith(root) else inner.lstrip("/")
-        folder = Path(point) / relative
-        if (folder / "memory.events").exists() or (folder / "memory.oom_control").exists():
-            return folder.resolve()
-    return None
-
-
-def oom_kills(folder: Path | None) -> int:
-    """How many processes the OOM killer has ended in this memory cgroup (and below it)."""
-    if folder is None:
-        return 0
-    for name in ("memory.events", "memory.oom_control"):
-        with contextlib.suppress(OSError, ValueError):
-            for line in (folder / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-    return 0
-
-
-def memory_limit(folder: Path | None) -> int | None:
-    if folder is None:
-        return None
-    for name in ("memory.max", "memory.limit_in_bytes"):
-        with contextlib.suppress(OSError, ValueError):
-            text = (folder / name).read_text().strip()
-            if text != "max" and int(text) < 1 << 60:
-                return int(text)
-    return None
-
-
 _KMSG_KILL = re.compile(r"(?:Out of memory|Memory cgroup out of memory): Killed process (\d+)")
 _KMSG_OOM = re.compile(r"oom-kill:.*\bpid=(\d+)")
 
@@ -183,7 +124,7 @@ def killed_by_oom_in_kernel_log(pids: set[int]) -> bool:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return size(n)
 
 
 class OomWatch:

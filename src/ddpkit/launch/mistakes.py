@@ -60,3 +60,27 @@ def environment_warnings(environ: Mapping[str, str]) -> list[str]:
         for name, meant in misspellings(environ)
     ]
     return lines
+
+
+def rendezvous_warnings(
+    environ: Mapping[str, str], master_addr: str, master_port: int
+) -> list[str]:
+    """MASTER_ADDR/MASTER_PORT exported in the launcher's shell that ddpkit run does not use
+    (it gives every rank the job's own address; --master-addr/--master-port choose it)."""
+    lines = []
+    port = environ.get("MASTER_PORT", "").strip()
+    if port and port != str(master_port):
+        chosen = f"port {master_port}" if master_port else "a free port it picks"
+        lines.append(
+            f"MASTER_PORT={port} is set in this shell; ddpkit run gives every rank the job's "
+            f"own ({chosen}), so this one is ignored (to use it: --master-port {port}; or "
+            "unset MASTER_PORT)"
+        )
+    addr = environ.get("MASTER_ADDR", "").strip()
+    loopback = {"localhost", "127.0.0.1", "::1"}
+    if addr and addr != master_addr and not {addr, master_addr} <= loopback:
+        lines.append(
+            f"MASTER_ADDR={addr} is set in this shell; ddpkit run gives every rank "
+            f"{master_addr}, so this one is ignored (for several nodes: --master-addr {addr})"
+        )
+    return lines

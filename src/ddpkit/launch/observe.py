@@ -84,7 +84,16 @@ def missing_at_init(workers: list[Any], state_dir: Path, timeout: float) -> str 
         return None
     missing = [w.rank for w in workers if absent(w, state_dir, phases[w.rank][0])]
     waited = time.time() - min(waiting.values())
-    if not missing or waited < timeout:
+    if waited < timeout:
+        return None
+    if not missing and len(waiting) == len(workers):  # all came, and init never completed
+        return (
+            f"init_process_group did not complete: rank{'s' if len(waiting) > 1 else ''} "
+            f"{ranks_text(sorted(waiting))} waited {waited:.0f} s in it (--init-timeout "
+            f"{timeout:g}): the ranks called it with a store, world size or address that does "
+            "not match"
+        )
+    if not missing:
         return None
     return (
         f"rank {ranks_text(missing)} never reached init_process_group; rank "

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from ddpkit.common.protocol import ERR_END, ERR_START
+from ddpkit.common.protocol import ERR_END, ERR_START, LOG_END, LOG_ONLY, LOG_START
 from ddpkit.launch.rundir import open_private
 
 TAIL_LINES = 30
@@ -287,23 +287,28 @@ class RankOutput:
         pipe.close()
 
     def _frames(self, chunk: bytes) -> list[tuple[int, bytes]]:
-        """(stream, bytes) runs of a chunk: stderr between the bootstrap's markers."""
+        """(stream, bytes) runs of a chunk: stderr between the bootstrap's ERR markers, what is
+        for the log only between its LOG markers."""
         if not self._split and b"\x1e" not in chunk:  # no marker, not even part of one
             return [(self._stream, chunk)]
         data, self._split = self._split + chunk, b""
         runs = []
         while data:
-            marker = ERR_END if self._stream == 2 else ERR_START
-            at = data.find(marker)
+            if self._stream == 1:
+                found = [(i, m) for m in (ERR_START, LOG_START) if (i := data.find(m)) >= 0]
+                at, marker = min(found) if found else (-1, ERR_START)
+            else:
+                marker = ERR_END if self._stream == 2 else LOG_END
+                at = data.find(marker)
             if at < 0:
-                keep = _partial_marker(data, marker)
+                keep = max(_partial_marker(data, m) for m in _ENDS.get(self._stream, (marker,)))
                 if len(data) > keep:
                     runs.append((self._stream, data[: len(data) - keep]))
                 self._split = data[len(data) - keep :]
                 break
             if at:
                 runs.append((self._stream, data[:at]))
-            self._stream = 1 if self._stream == 2 else 2
+            self._stream = _NEXT[marker]
             data = data[at + len(marker) :]
         return runs
 
@@ -313,6 +318,8 @@ class RankOutput:
                 self.log.write(data)
             except OSError as err:
                 self._log_failed(err)
+        if stream == LOG_ONLY:
+            return
         self._keep_tail(data)
         if stream not in self.shown:
             return
@@ -384,6 +391,10 @@ class RankOutput:
             except OSError as err:
                 self.log_error = f"{self.log_path}: {err.strerror or err}"
             self.log = None
+
+
+_NEXT = {ERR_START: 2, ERR_END: 1, LOG_START: LOG_ONLY, LOG_END: 1}
+_ENDS = {1: (ERR_START, LOG_START)}  # the markers a run of stdout can end in
 
 
 def _partial_marker(data: bytes, marker: bytes) -> int:

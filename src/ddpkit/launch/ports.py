@@ -4,12 +4,8 @@ the user's, checked, with the process that holds it named when it is busy."""
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
 
-from ddpkit.errors import LaunchError, debug_note
-
-if TYPE_CHECKING:
-    import psutil
+from ddpkit.errors import LaunchError
 
 
 def listen(host: str, port: int = 0) -> socket.socket:
@@ -27,7 +23,7 @@ def listen(host: str, port: int = 0) -> socket.socket:
         raise LaunchError(
             f"port {port} on {host or 'all interfaces'} is already in use{by} ({err.strerror})",
             fix="pick another with --master-port, or leave it out and ddpkit picks a free one"
-            + (f"; `ddpkit kill {holder.split()[1]}` ends that leftover job" if training else ""),
+            + (f"; `ddpkit kill {holder.split()[1]}` ends that job" if training else ""),
         ) from None
     sock.listen(1024)
     sock.set_inheritable(False)
@@ -35,33 +31,11 @@ def listen(host: str, port: int = 0) -> socket.socket:
 
 
 def port_holder(port: int) -> tuple[str, bool]:
-    """('pid N (name)', whether it is a training process) of what listens on `port`, when this
-    user can see it; ('', False) otherwise."""
-    try:
-        import psutil
+    """('pid N (command)', whether it is a training process) of what listens on `port`."""
+    from ddpkit.common.procs import port_holder as holder
 
-        from ddpkit.common.procs import list_training_processes
-
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:
-                training = any(p.pid == conn.pid for p in list_training_processes())
-                return f"pid {conn.pid} ({_described(psutil.Process(conn.pid))})", training
-    except Exception as err:
-        debug_note("ports", err)
-    return "", False
-
-
-def _described(proc: psutil.Process) -> str:
-    """The holder as `ps` would show it: its command line, shortened (the process name alone
-    can be a thread's, e.g. torch names its main thread `pt_main_thread`)."""
-    try:
-        words = proc.cmdline()
-    except Exception:
-        words = []
-    if not words:
-        return proc.name()
-    text = " ".join([words[0].rsplit("/", 1)[-1], *words[1:]])
-    return text if len(text) <= 60 else text[:57] + "..."
+    text, job = holder(port)
+    return text, job is not None
 
 
 def warn_privileged(port: int) -> str | None:

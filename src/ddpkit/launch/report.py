@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,18 +19,12 @@ from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch import causes, memory
 from ddpkit.launch.causes import short
+from ddpkit.launch.hang import mismatch
 from ddpkit.launch.rundir import open_private
 
 HANG_EXIT_CODE = 124  # as GNU timeout's
 
-# Errors a rank gets because a peer died: never the root cause while another rank failed.
-VICTIM_WORDS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "remote worker",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-)
+VICTIM_WORDS = protocol.VICTIM_WORDS  # a rank's error that says a peer failed first
 
 
 def describe_exit(code: int | None) -> str:
@@ -85,6 +80,13 @@ class Outcome:
             f"if a rank legitimately waits this long (a download, a long first step), "
             f"raise --hang-timeout (now {timeout:g} s); --hang-timeout 0 turns the watch off"
         )
+        if "waits for GPU" in summary or "waits for its GPU" in summary:
+            advice = (
+                "a GPU kernel never finished: a custom kernel that deadlocks or spins on a flag "
+                "that never comes, an out-of-bounds index in a kernel, or a wedged GPU "
+                "(nvidia-smi; the kernel log's Xid errors: dmesg | grep -i xid); "
+                "CUDA_LAUNCH_BLOCKING=1 names the kernel; " + advice
+            )
         if "has exited (code 0)" in summary:
             advice = (
                 "a rank ended while the others still wait for it: the ranks ran different "
@@ -116,7 +118,11 @@ class Outcome:
 
     @classmethod
     def rank_failed(
-        cls, failed: list[Any], state_dir: Path, oom: causes.OomWatch | None = None
+        cls,
+        failed: list[Any],
+        state_dir: Path,
+        oom: causes.OomWatch | None = None,
+        growth: Callable[[int], str | None] | None = None,
     ) -> Outcome:
         errors = {
             w.rank: error for w in failed if (error := protocol.read_error(state_dir, w.rank))
@@ -144,7 +150,8 @@ class Outcome:
             site = causes.error_site(error)
             memory_facts = memory.read(state_dir, root.rank)
             if memory_facts is not None:  # out of memory: what it held, and what would fit
-                summary, fix = memory.verdict(memory_facts, root.rank, site)
+                grew = growth(root.rank) if growth is not None else None
+                summary, fix = memory.verdict(memory_facts, root.rank, site, grew)
                 snapshot = protocol.state_path(state_dir, root.rank, protocol.MEMORY_SNAPSHOT)
                 if snapshot.exists():
                     fix += (
@@ -179,13 +186,17 @@ class Outcome:
                 lines.append(f"  victim: rank {rank}: {error.type}: {short(message)}")
         self.details = "\n".join(lines)
 
-    def finalize(self, workers: list[Any], run_dir: Path, state_dir: Path) -> None:
-        """Write the report (console text and run_dir/report.txt) once outputs are closed."""
+    def finalize(
+        self, workers: list[Any], run_dir: Path, state_dir: Path, roots: Sequence[Path] = ()
+    ) -> None:
+        """Write the report (console text and run_dir/report.txt) once outputs are closed.
+        `roots`: where the script's files are (to find the branch of a collective mismatch)."""
         if self.ok:
             return
-        mismatch = collective_mismatch(workers, state_dir)
-        if mismatch:
-            self.summary = f"{mismatch} (first reported: {self.summary})"
+        differ = collective_mismatch(workers, state_dir)
+        if differ:
+            self.summary = f"{differ.line} (first reported: {self.summary})"
+            self.fix = mismatch.fix_line(differ, [*roots, Path.cwd()])
         if self.interrupted and self.from_node is None:
             self.summary = (
                 f"{self.summary}, forwarded to every rank: {how_ranks_ended(workers, self.grace)}"
@@ -207,9 +218,13 @@ class Outcome:
                 lines.append(f"  last lines of rank {root.rank}'s output:")
                 lines.extend(f"    | {line}" for line in tail)
         others: dict[str, list[int]] = {}
+        root_error = protocol.read_error(state_dir, root.rank) if root is not None else None
         for w in workers:
             if w is not root and not self.interrupted and w.rank not in (self.victims or ()):
                 what = "stopped by ddpkit" if w.stopped else describe_exit(w.exit_code)
+                error = protocol.read_error(state_dir, w.rank) if w.exit_code else None
+                if root_error and error and error.type == root_error.type and not w.stopped:
+                    what = f"failed the same way ({error.type})"
                 others.setdefault(what, []).append(w.rank)
         if others:
             lines.append(
@@ -260,7 +275,7 @@ MISMATCH_WORDS = (
 )
 
 
-def collective_mismatch(workers: list[Any], state_dir: Path) -> str | None:
+def collective_mismatch(workers: list[Any], state_dir: Path) -> mismatch.Mismatch | None:
     """When torch or gloo says collectives differ, which rank called what, from where (from
     each rank's progress record), instead of a wall of fingerprints."""
     said = [line for w in workers for line in w.output.last_lines]
@@ -270,8 +285,13 @@ def collective_mismatch(workers: list[Any], state_dir: Path) -> str | None:
     for w in workers:
         record = protocol.read_record(state_dir, w.rank)
         if record is not None and record.op:
-            shapes = f" with shape {record.shapes}" if record.shapes else ""
-            calls.append(f"rank {w.rank} called {record.op}{shapes} ({record.site})")
-    if not calls:
-        return "the ranks called different collectives"
-    return "collectives differ across ranks: " + "; ".join(calls)
+            calls.append(mismatch.Call(w.rank, record.op, record.site, record.shapes))
+    found = mismatch.find(calls)
+    if found is not None:
+        return found
+    text = "; ".join(f"rank {c.rank} called {c.op} with shape {c.shapes} ({c.site})" for c in calls)
+    return mismatch.Mismatch(
+        "the ranks called different collectives" + (f": {text}" if text else ""),
+        [],
+        [c.site for c in calls],
+    )

@@ -41,7 +41,7 @@ from ddpkit.errors import debug_enabled
 from ddpkit.launch import causes, observe, report, rundir, watchdog
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.decide import Attempt, Next, Observation, Verdict, after_attempt, decide
-from ddpkit.launch.hang import blame, places
+from ddpkit.launch.hang import blame, mismatch, places
 from ddpkit.launch.hang.watch import HANG_EXIT_CODE, HangWatch
 from ddpkit.launch.output import CONSOLE
 from ddpkit.launch.peers import crossnode
@@ -171,7 +171,7 @@ def run_attempt(
             peers,
         )
         verdict, stall = _run(job, workers, state_dir, peers, speed)
-        outcome = _collect(job, verdict, stall, workers, state_dir, peers)
+        outcome = _collect(job, verdict, stall, workers, state_dir, peers, speed)
         if peers.multi_node and outcome.from_node is None and not outcome.ok:
             # this node knows why: the others stop for the same reason, before this node's
             # ranks go and theirs fail for want of a peer
@@ -196,7 +196,7 @@ def run_attempt(
             _say(summary)
     # report
     outcome.grace = given
-    outcome.finalize(workers, job.run_dir, state_dir)
+    outcome.finalize(workers, job.run_dir, state_dir, script_roots(cfg))
     return outcome
 
 
@@ -267,6 +267,7 @@ def _collect(
     workers: list[Worker],
     state_dir: Path,
     peers: Peers,
+    speed: SpeedWatch,
 ) -> report.Outcome:
     """The outcome a verdict makes, with the evidence its report needs (settle and collect)."""
     cfg, wait = job.cfg, job.wait
@@ -283,7 +284,10 @@ def _collect(
         wait.until(landed, SETTLE_WAITING)
         observe.reap(workers)
         outcome = report.Outcome.rank_failed(
-            [w for w in workers if w.exit_code not in (None, 0)], state_dir, causes.OomWatch()
+            [w for w in workers if w.exit_code not in (None, 0)],
+            state_dir,
+            causes.OomWatch(),
+            speed.memory.growth,
         )
 
         def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
@@ -314,9 +318,17 @@ def _collect(
         return _hang_outcome(job, stall, workers, state_dir, peers)
     missing = observe.missing_at_init(workers, state_dir, cfg.init_timeout)
     outcome = report.Outcome.launcher_failure(missing or "a rank never reached init")
-    # where the missing ranks are instead: their stacks, as the hang doctor shows them
-    absent = [w for w in workers if observe.absent(w, state_dir)]
+    # where the missing ranks are instead (or every rank, when all wait in init): their
+    # stacks, as the hang doctor shows them
+    absent = [w for w in workers if observe.absent(w, state_dir)] or workers
     outcome.details = places.collect(absent, state_dir, False, wait)[1]
+    if not missing or missing.startswith("init_process_group did not complete"):
+        outcome.fix = (
+            "let ddpkit run give init its world size, rank and address (init_process_group("
+            "backend) alone, or ddpkit.setup()); a script's own store or init_method='file://"
+            "...' must be the same for every rank and fresh; raise --init-timeout if init is "
+            "this slow at this scale"
+        )
     return outcome
 
 
@@ -325,13 +337,31 @@ def _hang_outcome(
 ) -> report.Outcome:
     """The hang report: every rank's place (every node's, from node 0). A stop signal while it
     is collected cuts its waits short, so the launcher still ends within its grace."""
-    own, details = places.collect(workers, state_dir, wait=job.wait)
-    every, hosts, details = peers.places_everywhere(own, details, job.cfg.nproc_per_node, job.wait)
+    found = places.evidence(workers, state_dir, wait=job.wait)
+    every, hosts, details = peers.places_everywhere(
+        found.places, found.details, job.cfg.nproc_per_node, job.wait
+    )
     line = f"no rank made progress for {stall:.0f} s: {places.verdict(every, hosts)}"
     if job.signals.count:
         name = signal.Signals(job.signals.last).name
         return report.Outcome.interrupted_by(name, 128 + job.signals.last)
+    calls = places.calls_of(every, found.calls)
+    differ = mismatch.find(calls) if calls else None
+    if differ is not None:  # no timeout fixes that: say which calls differ, and where
+        outcome = report.Outcome.hang(
+            f"{differ.line} (no rank made progress for {stall:.0f} s)", details, 0
+        )
+        outcome.fix = mismatch.fix_line(differ, script_roots(job.cfg))
+        return outcome
     return report.Outcome.hang(line, details, job.cfg.hang_timeout)
+
+
+def script_roots(cfg: LaunchConfig) -> list[Path]:
+    """Where the script's files are: its folder, and the folder the job started in."""
+    roots = [Path.cwd()]
+    if cfg.kind == "script":
+        roots.insert(0, Path(cfg.target).resolve().parent)
+    return roots
 
 
 def _prepare(cfg: LaunchConfig) -> None:

@@ -110,6 +110,10 @@ def worker_env(
         if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(state_dir / "nccl_trace_rank"))
+        if cfg.backend != "gloo":
+            # NCCL's start events: the recorder then tells a collective whose kernel runs
+            # (waiting for a peer) from one queued behind the rank's own GPU work
+            env.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     if cfg.backend != "gloo" and "NCCL_DEBUG" not in env:
         # NCCL's own log of the transports it chose, into the run folder, never the console
         # (a user's NCCL_DEBUG is theirs: then nothing is read; ddpkit.common.nccl_transport)

@@ -17,7 +17,6 @@ import builtins
 import contextlib
 import ctypes
 import faulthandler
-import functools
 import importlib.abc
 import importlib.machinery
 import io
@@ -34,8 +33,6 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from ddpkit.common import protocol
-from ddpkit.common.frames import is_library
-from ddpkit.rank.steps import waited_in_collective
 
 PR_SET_PDEATHSIG = 1
 STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
@@ -67,10 +64,10 @@ class _ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     triggered by this."""
 
     def __init__(self) -> None:
-        from ddpkit.rank import steps
+        from ddpkit.rank import init_watch, steps
 
         self.targets = {
-            "torch.distributed.distributed_c10d": patch_init,
+            "torch.distributed.distributed_c10d": init_watch.patch_init,
             "torch.autograd": steps.patch_backward,
             "torch.optim.optimizer": steps.install_optimizer_hooks,
             "torch.utils.data.dataloader": steps.patch_dataloader,
@@ -102,169 +99,6 @@ class _ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
         spec.loader = Loader()
         return spec
-
-
-_store_server: Any = None  # the job's TCPStore, when this rank serves it (kept to the end)
-
-
-def serve_store() -> None:
-    """Rank 0 of a one-node job: serve the job's store on the launcher's listening socket, as
-    soon as torch.distributed is imported (the peers' connections wait in its backlog till
-    then). init_process_group and ddpkit.setup() find it by its port (multi-tenant)."""
-    global _store_server
-    fd = os.environ.pop(protocol.STORE_FD, None)
-    if fd is None or _store_server is not None:
-        return
-    from ddpkit.common.store_server import serve_fd
-
-    port = int(os.environ.get("MASTER_PORT", "0"))
-    timeout = float(os.environ.get(protocol.INIT_TIMEOUT, "330"))
-    try:
-        _store_server = serve_fd(int(fd), "127.0.0.1", port, timeout, multi_tenant=True)
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(int(fd))
-
-
-def patch_init(module: ModuleType) -> None:
-    """Serve the job's store (rank 0 of one node); mark when this rank enters and leaves
-    init_process_group; record its collectives."""
-    try:
-        serve_store()
-    except Exception as err:  # the peers then time out at init, and the report says why
-        from ddpkit.errors import debug_note
-
-        debug_note("serving the job's store", err)
-    original = module.init_process_group
-
-    @functools.wraps(original)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        set_phase("init")
-        result = original(*args, **kwargs)
-        set_phase("ready")
-        if STATE_DIR:
-            timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
-            record_group(str(module.get_backend()), timeout)
-            from ddpkit.rank import memory
-
-            memory.start_history()  # --memory-snapshot: the allocator's events, from here on
-        if STATE_DIR and _recording():
-            from ddpkit.rank import flight
-
-            flight.serve(STATE_DIR, RANK, str(module.get_backend()))
-        return result
-
-    module.init_process_group = init_process_group  # type: ignore[attr-defined]
-    track_collectives(module)
-
-
-def record_group(backend: str, timeout: Any) -> None:
-    """The group's backend and collective timeout, for the launcher's long-wait note."""
-    if timeout is None:
-        from torch.distributed import constants
-
-        default = constants.default_pg_timeout
-        if backend == "nccl":
-            default = getattr(constants, "default_pg_nccl_timeout", None) or default
-        timeout = default
-    try:
-        protocol.write_group(STATE_DIR, RANK, backend, float(timeout.total_seconds()))
-    except (OSError, AttributeError):
-        pass
-
-
-_depth = 0
-
-
-def _recording() -> bool:
-    """The flight recorder keeps entries (the launcher sets its buffer unless told not to)."""
-    if os.environ.get(protocol.TRACK) == "0":
-        return False
-    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
-    return bool(size and size.strip().isdigit() and int(size) > 0)
-
-
-def track_collectives(module: ModuleType) -> None:
-    """Record each collective's start and end in this rank's progress record."""
-    from ddpkit.rank import progress
-
-    record = progress.writer()
-    if record is None or os.environ.get(protocol.TRACK) == "0":
-        return
-
-    def wrap(name: str, original: Any) -> Any:
-        @functools.wraps(original)
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            global _depth
-            if _depth:
-                return original(*args, **kwargs)
-            site, shapes = user_site(), describe_shapes(args)
-            _depth += 1
-            record.enter(name, shapes, site)
-            began = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _depth -= 1
-                record.leave(name, shapes, site)
-                waited_in_collective(time.perf_counter() - began)
-
-        collective._ddpkit_original = original  # type: ignore[attr-defined]  # ddpkit's own calls
-        return collective
-
-    for name in protocol.COLLECTIVES:
-        original = getattr(module, name, None)
-        if callable(original):
-            setattr(module, name, wrap(name, original))
-
-
-def user_site() -> str:
-    """file:line (function) of the innermost caller outside torch and ddpkit."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None and is_library(frame.f_code.co_filename):
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-
-
-def describe_shapes(args: tuple[Any, ...]) -> str:
-    shapes = []
-    for arg in args[:2]:
-        items = arg if isinstance(arg, list | tuple) else [arg]
-        for item in items[:2]:
-            shape = getattr(item, "shape", None)
-            if shape is not None:
-                shapes.append(str(list(shape)))
-    return " ".join(shapes)
-
-
-def write_error(
-    kind: str, message: str, trace: str = "", exit_code: int | None = None, fix: str = ""
-) -> None:
-    """This rank's failure, timestamped, for the launcher's root-cause verdict."""
-    if STATE_DIR:
-        record = protocol.ErrorRecord(time.time(), kind, message, trace, exit_code, fix)
-        try:
-            protocol.write_error(STATE_DIR, RANK, record)
-        except OSError:
-            pass
-
-
-def record_errors() -> None:
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        if not issubclass(kind, KeyboardInterrupt):
-            from ddpkit.rank import memory
-            from ddpkit.rank.hints import fix_for
-
-            memory.write(STATE_DIR, RANK, value)  # an out-of-memory error: what memory held
-            trace = "".join(traceback.format_exception(kind, value, tb))
-            write_error(kind.__name__, str(value), trace, fix=fix_for(value, tb))
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
 
 
 FLUSH_EVERY = 0.05  # seconds: the most a printed line waits in the rank's stdout buffer
@@ -354,6 +188,10 @@ def main(argv: list[str]) -> None:
     set_phase("started")
     if kind == "command":
         os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec
+    from ddpkit.rank import init_args, memory
+
+    init_args.remember_launcher()  # before the script can change them
+    memory.reserve()
     if os.environ.get(protocol.FRAMED) == "1":
         buffer_stdout()
         frame_stderr()
@@ -365,7 +203,9 @@ def main(argv: list[str]) -> None:
     from ddpkit.errors import install_excepthook
 
     install_excepthook()
-    record_errors()
+    from ddpkit.rank import failure
+
+    failure.record_errors()
     sys.argv = [target, *args]
     try:
         if kind == "module":
@@ -376,6 +216,8 @@ def main(argv: list[str]) -> None:
     except SystemExit as done:
         if done.code not in (None, 0):
             code = done.code if isinstance(done.code, int) else 1
+            from ddpkit.rank.failure import write_error
+
             write_error("SystemExit", f"sys.exit({done.code!r})", exit_code=code)
             sys.last_value = done  # ddpkit's close sees a failure: no barrier with the peers
         exit_quickly(done.code)
@@ -442,7 +284,11 @@ def exit_quickly(code: object) -> None:
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
-    for obj in gc.get_objects():
+    try:
+        objects = gc.get_objects()
+    except MemoryError:  # out of memory at the end: the standard streams are still flushed
+        objects = []
+    for obj in objects:
         # type(), not isinstance(): never touch attributes of arbitrary objects
         if issubclass(type(obj), io.IOBase):
             try:

@@ -5,7 +5,9 @@ record, and the launcher's report prints it under the root cause.
 * nccl asked for where it cannot run (no GPU, a CPU build of torch);
 * `rank % torch.cuda.device_count()` on a machine where no GPU is visible;
 * DDP's unused parameters, named (torch gives their indices) with `find_unused_parameters=True`;
-* a model that differs on one rank (DDP's shape check), with the parameter named.
+* a model that differs on one rank (DDP's shape check), with the parameter named;
+* a port already in use (EADDRINUSE), with the process that holds it and how to let the
+  launcher choose one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
+_PORT = re.compile(r"port:? (\d+)")
 _UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
 _MISMATCH = re.compile(r"\[(\d+)\]: params\[(\d+)\] in this process with sizes (\[[\d, ]*\])")
 
@@ -41,6 +44,17 @@ def _fix_for(error: BaseException, tb: TracebackType | None) -> str:
             "torch.cuda.device_count() is 0: no GPU is visible here (check CUDA_VISIBLE_DEVICES "
             "and nvidia-smi); on CPUs use gloo and no set_device, or ddpkit.setup(), which "
             "picks the device from LOCAL_RANK"
+        )
+    if "EADDRINUSE" in message or "ddress already in use" in message:
+        port = _PORT.search(message)
+        if port:
+            from ddpkit.common.procs import port_taken_fix
+
+            return port_taken_fix(int(port.group(1)))
+        return (
+            "a port the script listens on is taken: let ddpkit run choose the job's port (no "
+            "MASTER_PORT of the script's own), or give that listener a free port (0: the "
+            "system picks one)"
         )
     unused = _UNUSED.search(message)
     if unused:

@@ -13,12 +13,10 @@ them into the verdict and its fixes.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
@@ -71,14 +69,28 @@ def allowed_bytes(message: str, total: int | None) -> int | None:
 
 
 def facts(error: BaseException, kind: str) -> dict[str, Any]:
-    """The rank's memory as it ran out (every figure in bytes)."""
+    """The rank's memory as it ran out (every figure in bytes), read at the failure."""
     import torch
+
+    from ddpkit.rank import memory_model
 
     out: dict[str, Any] = {"kind": kind, "asked": asked_bytes(str(error))}
     out["world_size"] = int(os.environ.get("WORLD_SIZE", "1") or 1)
     device = _device(kind)
-    out.update(_split(device))
-    out["batch"] = _batch_size()
+    modules, optimizers = memory_model.live_objects()
+    out.update(memory_model.held(device, modules, optimizers))
+    out["blocks"] = memory_model.blocks(modules)
+    phase, batch = memory_model.failing_step(error.__traceback__)
+    out["phase"] = phase
+    # the failing forward's own inputs say its batch; else the DataLoader in use
+    out["batch"], out["batch_from"] = (
+        (batch, "forward")
+        if batch
+        else (
+            memory_model.loader_batch(),
+            "loader",
+        )
+    )
     if kind == "cuda" and device is not None and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         out["device"] = index
@@ -96,11 +108,42 @@ def facts(error: BaseException, kind: str) -> dict[str, Any]:
     else:
         import psutil
 
+        from ddpkit.common.host_memory import host_room
+
         rss = psutil.Process().memory_info().rss
         out["allocated"] = out["reserved"] = int(rss)
-        out["free"], out["total"] = _host_memory()
+        room = host_room()  # the machine, the memory cgroup or ulimit -v, as it is now
+        free = room.free
+        if _released and "ulimit" in room.bound:  # the reserve's space was not free then
+            free = max(0, free - RESERVE_BYTES)
+        out["free"], out["total"], out["bound"] = free, room.total, room.bound
         out["others"] = None
     return out
+
+
+RESERVE_BYTES = 64 * 2**20
+_reserve: Any = None
+_released = False  # the reserve was given back at the failure: not part of what was free
+
+
+def reserve() -> None:
+    """Map (not touch) RESERVE_BYTES of address space, given back when the rank runs out of
+    memory, so that what the failure needs (the scan below, the traceback, the error file)
+    still fits under an address-space limit (`ulimit -v`). Untouched pages take no RAM."""
+    global _reserve
+    import mmap
+
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    with contextlib.suppress(Exception):
+        _reserve = mmap.mmap(-1, RESERVE_BYTES, flags=flags)
+
+
+def release_reserve() -> None:
+    global _reserve, _released
+    if _reserve is not None:
+        with contextlib.suppress(Exception):
+            _reserve.close()
+        _reserve, _released = None, True
 
 
 def write(state_dir: str, rank: str, error: BaseException) -> None:
@@ -125,58 +168,6 @@ def _device(kind: str) -> Any:
     return torch.device("cpu")
 
 
-def _split(device: Any) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state on `device`, from every module and
-    optimizer alive in the process (each tensor counted once)."""
-    import torch
-
-    seen: set[int] = set()
-    params = grads = states = 0
-
-    def size(t: Any) -> int:
-        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2): this rank's shard
-        if not isinstance(t, torch.Tensor) or t.device.type != device.type:
-            return 0
-        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
-        if key in seen:
-            return 0
-        seen.add(key)
-        return int(t.untyped_storage().nbytes())
-
-    modules, optimizers = [], []
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module):
-            modules.append(obj)
-        elif isinstance(obj, torch.optim.Optimizer):
-            optimizers.append(obj)
-    for module in modules:
-        for p in module.parameters(recurse=False):
-            params += size(p)
-    for module in modules:
-        for p in module.parameters(recurse=False):
-            if p.grad is not None:
-                grads += size(p.grad)
-    for opt in optimizers:
-        for per_param in opt.state.values():
-            for value in per_param.values():
-                states += size(value)
-    return {"params": params, "grads": grads, "optimizer": states}
-
-
-def _batch_size() -> int | None:
-    """The batch size of the DataLoader in use (the one of ddpkit's loaders, or torch's, with
-    the most batches taken); None when none is found."""
-    try:
-        from torch.utils.data import DataLoader
-    except ImportError:
-        return None
-    found = [o for o in gc.get_objects() if isinstance(o, DataLoader) and o.batch_size]
-    if not found:
-        return None
-    found.sort(key=lambda loader: getattr(loader, "_taken", 0), reverse=True)
-    return int(found[0].batch_size or 0) or None
-
-
 def _other_processes(index: int) -> int | None:
     """Bytes other processes use on this GPU (NVML), or None without NVML."""
     try:
@@ -194,33 +185,6 @@ def _other_processes(index: int) -> int | None:
             )
     except Exception:
         return None
-
-
-def _host_memory() -> tuple[int | None, int | None]:
-    """(available, total) bytes for this process: its memory cgroup's limit where it has one,
-    else the machine's."""
-    import psutil
-
-    vm = psutil.virtual_memory()
-    available, total = int(vm.available), int(vm.total)
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    ):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < total:
-            return max(0, int(limit) - usage), int(limit)
-    return available, total
-
-
-# -- `ddpkit run --memory-snapshot`: torch's allocator history, dumped on an OOM ---------------
 
 
 def start_history() -> None:

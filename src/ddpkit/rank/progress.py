@@ -7,6 +7,7 @@ Outside a worker of `ddpkit run` every call here does nothing."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -42,17 +43,66 @@ def beat() -> None:
 
 def start_ticking() -> None:
     """A thread that ticks the record every protocol.TICK_EVERY s while Python threads can run:
-    the launcher tells a rank stuck in C code holding the GIL from one that computes."""
+    the launcher tells a rank stuck in C code holding the GIL from one that computes. Each tick
+    also says since when the script's thread has stood at one place (the same frame at the
+    same instruction: one call into C, such as a wait for the GPU) and, once the rank uses a
+    GPU, which one: a rank whose GPU never finishes spins a core in CUDA's wait, and the
+    launcher must not count that as progress."""
     w = writer()
     if w is None:
         return
+    main = threading.main_thread().ident
 
     def tick() -> None:
+        at: tuple[int, int, int] | None = None
+        since = 0.0
+        gpu: int | None = None
         while True:
-            w.tick()
+            frame = sys._current_frames().get(main) if main is not None else None
+            # a loop whose time goes to one sync (loss.item()) is sampled at the same place
+            # every time: the GPU allocations it makes each step tell it from a wait that
+            # never ends
+            here = (id(frame), frame.f_lasti, _allocations(gpu)) if frame is not None else None
+            del frame
+            now = time.time()
+            if here is None or here != at:
+                at, since = here, now
+            w.tick(since if now - since >= protocol.TICK_EVERY * 1.5 else 0.0)
+            if gpu is None:
+                gpu = _tell_gpu(w)
             time.sleep(protocol.TICK_EVERY)
 
     threading.Thread(target=tick, daemon=True, name="ddpkit-tick").start()
+
+
+def _allocations(index: int | None) -> int:
+    """How many allocations torch's CUDA allocator has served on GPU `index` (its own
+    bookkeeping: no call into the driver)."""
+    if index is None or index < 0:
+        return 0
+    try:
+        torch = sys.modules["torch"]
+        stats = torch.cuda.memory_stats_as_nested_dict(index)
+        return int(stats["allocation"]["all"]["allocated"])
+    except Exception:
+        return 0
+
+
+def _tell_gpu(w: protocol.RecordWriter) -> int | None:
+    """Once the rank holds memory on a GPU: write that GPU's UUID into the record and return
+    its index (-1 when it cannot be told). Only torch's own bookkeeping is read until then."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not getattr(cuda, "_initialized", False):
+        return None
+    try:
+        used = [i for i in range(cuda.device_count()) if cuda.memory_allocated(i) > 0]
+        if not used:
+            return None
+        w.set_gpu(str(cuda.get_device_properties(used[0]).uuid))
+    except Exception:
+        return -1  # never try again: a hint must not cost the rank
+    return used[0]
 
 
 def _state_dir() -> tuple[str, str] | None:

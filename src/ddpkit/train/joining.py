@@ -160,10 +160,11 @@ def rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
     except (RuntimeError, dist.DistNetworkError) as err:
         where = f"{env.master_addr}:{env.master_port}"
         if is_server:
+            from ddpkit.common.procs import port_taken_fix
+
             raise InitTimeoutError(
                 f"rank 0 could not listen on {where}: {err}",
-                fix="MASTER_PORT is probably in use: pick another, or let `ddpkit run` "
-                "choose a free one",
+                fix=port_taken_fix(env.master_port, "the"),
             ) from err
         raise InitTimeoutError(
             f"rank {env.rank} could not reach rank 0 at {where} within {init_timeout:.0f} s",

@@ -3,9 +3,12 @@
 oom RANK    rank RANK asks for more host memory than the machine has (the CPU allocator
             fails: a real "DefaultCPUAllocator: can't allocate memory")
 leak        rank 1 keeps 2 MiB every step (as a script that keeps tensors for logging),
-            and prints `leaking` once it starts
+            and prints `leaking` once it starts; 20 s later its address space is capped
+            just above what it holds (as `ulimit -v` caps a job), so the leak runs it out of
+            memory a few steps later
 """
 
+import resource
 import sys
 import time
 
@@ -20,6 +23,7 @@ with ddpkit.setup(seed=0) as s:
     opt = torch.optim.Adam(model.parameters())
     data = torch.utils.data.TensorDataset(torch.randn(4096, 64), torch.randint(0, 10, (4096,)))
     kept = []
+    began = 0.0
     for _epoch in range(1000):
         for step, (x, y) in enumerate(s.loader(data, batch_size=32)):
             loss = nn.functional.cross_entropy(model(x), y)
@@ -32,4 +36,11 @@ with ddpkit.setup(seed=0) as s:
                 kept.append(torch.ones(2**19))  # 2 MiB a step
                 if len(kept) == 1:
                     print("leaking", flush=True)
+                    began = time.monotonic()
+                elif began and time.monotonic() - began > 20:
+                    began = 0
+                    with open("/proc/self/status") as f:
+                        mapped = next(int(line.split()[1]) for line in f if "VmSize" in line)
+                    limit = (mapped + 64 * 1024) * 1024
+                    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
             time.sleep(0.02)

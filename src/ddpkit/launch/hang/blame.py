@@ -18,19 +18,7 @@ from typing import Any
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
 
-# A rank failed because it waited for a peer: the peer closed its connections, or a timeout ran
-# out (gloo's, NCCL's watchdog, the store's).
-WAITING_WORDS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "remote worker",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "Timed out waiting",
-    "timed out",
-    "Timed out",
-    "Watchdog caught collective operation timeout",
-)
+WAITING_WORDS = protocol.WAITING_WORDS  # a rank failed waiting for a peer
 
 
 def waited(error: protocol.ErrorRecord | None) -> bool:
@@ -61,14 +49,34 @@ def find_culprit(
     early = [w for w in workers if w.exit_code == 0 and _ended_at(w, state_dir) <= first + 0.5]
     if early:
         ranks = sorted(w.rank for w in early)
+        ended = (
+            f"rank{_s(ranks)} {ranks_text(ranks)} ended (exit code 0) while rank{_s(victims)} "
+            f"{ranks_text(victims)} still waited for {_them(ranks)}{where}"
+        )
+        counts = _counts(workers, lambda r: _collectives(state_dir, r))
+        if counts is not None and len(set(counts.values())) < 2:
+            counts = None  # the same number on every rank (or none counted): nothing to say
+        steps = _counts(workers, lambda r: _steps(state_dir, r))
+        if counts and steps and len(set(steps.values())) == 1 and next(iter(steps.values())):
+            return Culprit(
+                ranks[0],
+                f"{ended}: every rank ran {next(iter(steps.values()))} steps, but the ranks "
+                f"called different numbers of collectives ({_per_rank(counts)})",
+                "every rank must call the same collectives in the same order; look for one "
+                "inside a branch that only some ranks take (if rank == 0: ...)",
+                victims,
+            )
+        also = (
+            f" or called different numbers of collectives ({_per_rank(counts)})" if counts else ""
+        )
+        ran = f" ({_per_rank(steps)} steps)" if steps and len(set(steps.values())) > 1 else ""
         return Culprit(
             ranks[0],
-            f"rank{_s(ranks)} {ranks_text(ranks)} ended (exit code 0) while rank{_s(victims)} "
-            f"{ranks_text(victims)} still waited for {_them(ranks)}{where}: the ranks ran "
-            "different numbers of steps (uneven inputs)",
+            f"{ended}: the ranks ran different numbers of steps{ran} (uneven inputs){also}",
             "give every rank the same number of batches: s.loader(...) shards evenly (its "
             "DistributedSampler pads), or DistributedSampler(drop_last=True), or run the loop "
-            "inside torch.distributed.algorithms.Join([model]) for inputs that stay uneven",
+            "inside torch.distributed.algorithms.Join([model]) for inputs that stay uneven"
+            + ("; and the same collectives on every rank" if counts else ""),
             victims,
         )
     # a live rank that recorded an error is failing too, only slower to exit
@@ -97,6 +105,37 @@ def find_culprit(
         "(ddpkit.setup(timeout=...), init_process_group(timeout=...)); or let every rank do "
         "its share of that work, so none waits alone",
         victims,
+    )
+
+
+def _collectives(state_dir: Path, rank: int) -> int | None:
+    """Collectives the rank called through torch.distributed's Python functions (the one it
+    waits in counted), from its progress record."""
+    record = protocol.read_record(state_dir, rank)
+    if record is None:
+        return None
+    return record.finished + (1 if record.in_collective else 0)
+
+
+def _steps(state_dir: Path, rank: int) -> int | None:
+    steps = protocol.read_steps(state_dir, rank, since=1 << 62)
+    return steps.count if steps is not None else None
+
+
+def _counts(workers: list[Any], count: Callable[[int], int | None]) -> dict[int, int] | None:
+    """rank -> a count, when every rank has one."""
+    found = {w.rank: count(w.rank) for w in workers}
+    return None if any(v is None for v in found.values()) else found  # type: ignore[return-value]
+
+
+def _per_rank(counts: dict[int, int]) -> str:
+    """'rank 1: 6, ranks 0,2: 5'."""
+    groups: dict[int, list[int]] = {}
+    for rank, n in sorted(counts.items()):
+        groups.setdefault(n, []).append(rank)
+    return ", ".join(
+        f"rank{_s(ranks)} {ranks_text(ranks)}: {n}"
+        for n, ranks in sorted(groups.items(), key=lambda kv: (len(kv[1]), -kv[0]))
     )
 
 

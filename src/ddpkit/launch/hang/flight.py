@@ -58,6 +58,18 @@ def request(ranks: list[int], state_dir: Path, wait: Wait, seconds: float = 8.0)
     return dumps
 
 
+def op_of(entry: dict[str, Any]) -> str:
+    """'all_reduce' of an entry (its profiling name without the backend)."""
+    return _op(entry)
+
+
+def pending_entry(dump: Any) -> dict[str, Any] | None:
+    """The oldest collective this rank issued that has not completed, as its dump entry."""
+    entries = dump.get("entries", []) if isinstance(dump, dict) else []
+    status = dump.get("pg_status") or {} if isinstance(dump, dict) else {}
+    return next((e for e in entries if not _completed(e, status)), None)
+
+
 def _op(entry: dict[str, Any]) -> str:
     name = str(entry.get("profiling_name", "?"))
     return name.split(":", 1)[1] if ":" in name else name  # "nccl:all_reduce", "gloo:..."

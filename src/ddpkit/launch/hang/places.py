@@ -23,6 +23,7 @@ from ddpkit.common import protocol
 from ddpkit.common.frames import is_bootstrap, is_framework, is_library, torch_module
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch.hang import flight
+from ddpkit.launch.hang.mismatch import Call
 from ddpkit.launch.wait import Wait
 
 GIL_STALE = 5.0  # seconds without a tick from a live, unstopped rank: C code holds its GIL
@@ -145,7 +146,19 @@ def where(
     (from `process_state`) names a rank that is stopped or holds the GIL in C code."""
     if exit_code is not None:
         return f"has exited (code {exit_code})", ""
-    if state is not None:  # stopped, or stuck in C code holding the GIL: say so first
+    gpu_busy = state is not None and state.startswith("waits for")
+    if (
+        gpu_busy
+        and hung
+        and pending
+        and pending.startswith("nccl:")
+        and "(scheduled)" not in pending
+    ):
+        # NCCL's kernel has started (the launcher turns NCCL's timing on, so the flight recorder
+        # tells started from scheduled): the rank waits in that collective for a peer. One
+        # still scheduled sits behind the rank's own GPU work, which is what never finishes.
+        return f"wait in {pending.split()[0].split(':', 1)[1]}", code_site(rank_frames)
+    if state is not None:  # stopped, stuck in C code holding the GIL, waiting for its GPU
         called = rank_frames[0].func if rank_frames else ""
         if state.startswith("holds the GIL") and called:
             state += f": {called}"
@@ -162,6 +175,8 @@ def where(
     for f, module in modules:
         if f.func in protocol.COLLECTIVES and module.startswith("distributed/"):
             return f"wait in {f.func}", site
+        if f.func == "init_process_group" and module.startswith("distributed/"):
+            return "wait in init_process_group", site
     if any(module.startswith("utils/data/") for _, module in modules):
         return "wait for a DataLoader batch", site
     fsdp = [f for f, module in modules if module.startswith("distributed/fsdp/")]
@@ -216,6 +231,13 @@ def _singular(what: str) -> str:
     return re.sub(r"^wait\b", "waits", what)
 
 
+@dataclass(frozen=True)
+class Evidence:
+    places: dict[int, tuple[str, str]]  # rank -> (what it does, where)
+    details: str  # each rank's stack and the evidence beside it, for the report
+    calls: dict[int, Call]  # rank -> the collective it waits in, as its records say
+
+
 def collect(
     workers: list[Any],
     state_dir: Path,
@@ -226,6 +248,17 @@ def collect(
     each rank's stack, then the evidence beside it (its progress record, its flight recorder).
     hung=False reads a live job (`ddpkit stacks`): a rank in backward computes there; a set
     names the ranks that are known to wait."""
+    found = evidence(workers, state_dir, hung, wait)
+    return found.places, found.details
+
+
+def evidence(
+    workers: list[Any],
+    state_dir: Path,
+    hung: bool | set[int] = True,
+    wait: Wait | None = None,
+) -> Evidence:
+    """`collect`, with the collective each waiting rank is in (for `mismatch.find`)."""
     alive = {w.rank: w.proc.pid for w in workers if w.exit_code is None}
     states = {
         w.rank: process_state(w.proc.pid, protocol.read_record(state_dir, w.rank))
@@ -243,7 +276,7 @@ def collect(
         if flight.ready_file(state_dir, r).exists() and not (states[r] or "").startswith("holds")
     ]
     recorded = flight.request(served, state_dir, wait) if served and not wait.cancelled else {}
-    places, details = {}, []
+    places, details, calls = {}, [], {}
     for w in workers:
         record = protocol.read_record(state_dir, w.rank)
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
@@ -252,6 +285,9 @@ def collect(
         waits = hung if isinstance(hung, bool) else w.rank in hung
         places[w.rank] = where(frames, record, w.exit_code, in_flight, waits, state)
         what, site = places[w.rank]
+        call = waiting_call(w.rank, what, site, record, recorded.get(w.rank))
+        if call is not None:
+            calls[w.rank] = call
         details.append(f"  rank {w.rank} {_singular(what)}" + (f" at {site}" if site else ""))
         details.extend(f"    {f}" for f in shown_frames(frames))
         if record is not None and record.in_collective:
@@ -275,7 +311,39 @@ def collect(
             details.append(
                 f"    (no stack: {why})" if why else "    (no stack: the rank did not answer)"
             )
-    return places, "\n".join(details)
+    return Evidence(places, "\n".join(details), calls)
+
+
+def waiting_call(
+    rank: int, what: str, site: str, record: protocol.Record | None, dump: Any
+) -> Call | None:
+    """The collective a rank waits in, with its shapes (progress record) and sequence number
+    (flight recorder) where they say the same collective."""
+    if not what.startswith("wait in ") or what in ("wait in init_process_group",):
+        return None
+    op = what.removeprefix("wait in ")
+    shapes = (
+        record.shapes if record is not None and record.in_collective and record.op == op else ""
+    )
+    entry = flight.pending_entry(dump) if dump is not None else None
+    seq = None
+    if entry is not None and flight.op_of(entry) == op:
+        seq = int(entry.get("collective_seq_id", -1))
+        if not shapes and entry.get("input_sizes"):
+            shapes = " ".join(str(list(x)) for x in entry["input_sizes"])
+    return Call(rank, op, site, shapes, seq if seq is not None and seq >= 0 else None)
+
+
+def calls_of(places: dict[int, tuple[str, str]], local: dict[int, Call]) -> list[Call] | None:
+    """Every rank's collective, when every rank waits in one (this node's with their records,
+    another node's from its place alone); None when a rank does something else."""
+    calls = []
+    for rank, (what, site) in sorted(places.items()):
+        call = local.get(rank) or waiting_call(rank, what, site, None, None)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 def describe(
@@ -312,7 +380,33 @@ def process_state(pid: int, record: protocol.Record | None) -> str | None:
         return f"is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT {pid}` resumes it)"
     if record is not None and record.ticked and time.time() - record.ticked > GIL_STALE:
         return f"holds the GIL in C code for {time.time() - record.ticked:.0f} s"
-    return None
+    return gpu_wait(record)
+
+
+GPU_STILL = 2.0  # seconds a GPU rank's thread stands in one call, no allocation, to be waiting
+
+
+def gpu_wait(record: protocol.Record | None, now: float | None = None) -> str | None:
+    """'waits for GPU 0, busy for 40 s with no step ended (100% utilised)': a rank whose
+    script stands in one call (a sync: loss.item(), .cpu(), synchronize) while its GPU runs
+    and no new GPU allocation is made; None otherwise. A GPU that reads idle (NVML) means the
+    call is something else (CPU work in C), which is not this."""
+    now = time.time() if now is None else now
+    if record is None or not record.gpu or not record.still or now - record.still < GPU_STILL:
+        return None
+    from ddpkit.common.gpus import utilization
+
+    seen = utilization(record.gpu)
+    waited = now - record.still
+    if seen is None:
+        return (
+            f"waits for its GPU, for {waited:.0f} s with no step ended (its utilisation is "
+            "unknown here: pip install nvidia-ml-py)"
+        )
+    index, busy = seen
+    if busy <= 0:
+        return None
+    return f"waits for GPU {index}, busy for {waited:.0f} s with no step ended ({busy}% utilised)"
 
 
 def _tracer(pid: int) -> str:

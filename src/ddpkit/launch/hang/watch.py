@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 
 from ddpkit.common import procs, protocol
-from ddpkit.launch.hang import flight
+from ddpkit.launch.hang import flight, places
 from ddpkit.launch.hang.places import GIL_STALE
 from ddpkit.launch.report import HANG_EXIT_CODE  # noqa: F401 - where callers find it
 
@@ -98,12 +98,15 @@ class HangWatch:
                 or record.beats != previous.beats
             )
             inside = (record is not None and record.in_collective) or state.stuck_in_nccl
-            # CPU burnt while C code holds the GIL (no Python thread runs) is no progress
+            # CPU burnt while C code holds the GIL (no Python thread runs) is no progress, nor
+            # CPU spun in CUDA's wait for a GPU that never finishes
             held = holds_gil(self.state_dir, w.rank, record)
+            on_gpu = w.exit_code is None and places.gpu_wait(record) is not None
             busy = (
                 state.cpu >= 0
                 and not inside
                 and not held
+                and not on_gpu
                 and cpu - state.cpu >= BUSY_SHARE * interval
             )
             moved = io - state.io if state.io >= 0 else 0

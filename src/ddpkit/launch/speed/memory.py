@@ -17,6 +17,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpkit.common.units import size
+
 LEAK_WINDOW = 15  # samples (one a second) a leak is judged on
 LEAK_MIN_BYTES = 64 * 2**20  # growth over the window below this is noise
 LEAK_MIN_FIT = 0.9  # how straight the growth must be (R squared)
@@ -34,6 +36,7 @@ class RankMemory:
         default_factory=lambda: collections.deque(maxlen=LEAK_WINDOW)
     )  # (steps done, bytes)
     said_leak: bool = False
+    grew: str = ""  # the leak as said: '12 MiB a step, from 1.2 GiB to 2.4 GiB over 100 steps'
 
 
 class MemoryWatch:
@@ -77,8 +80,8 @@ class MemoryWatch:
                     else ""
                 )
                 self.notes.append(
-                    f"memory: rank {rank}'s peak {_gib(peak)} stands out (the others "
-                    f"{_gib(typical)}){why}"
+                    f"memory: rank {rank}'s peak {size(peak)} stands out (the others "
+                    f"{size(typical)}){why}"
                 )
                 return
 
@@ -95,12 +98,21 @@ class MemoryWatch:
             return
         mine.said_leak = True
         what = "GPU memory (allocated by torch)" if mine.gpu else "resident memory"
-        self.notes.append(
-            f"memory: rank {rank}'s {what} grows {_size(slope)} a step, from {_gib(ys[0])} "
-            f"to {_gib(ys[-1])} over the last {int(xs[-1] - xs[0])} steps: something keeps "
-            "a tensor every step (a loss kept for logging without .item(), a list that grows, "
-            "a graph kept by retain_graph)"
+        mine.grew = (
+            f"{size(slope)} a step, from {size(ys[0])} to {size(ys[-1])} over "
+            f"{int(xs[-1] - xs[0])} steps"
         )
+        self.notes.append(
+            f"memory: rank {rank}'s {what} grows {size(slope)} a step, from {size(ys[0])} "
+            f"to {size(ys[-1])} over the last {int(xs[-1] - xs[0])} steps: something keeps "
+            "a tensor every step (a loss kept for logging without .item(), a list that grows, "
+            "an evaluation outside torch.no_grad(), a graph kept by retain_graph)"
+        )
+
+    def growth(self, rank: int) -> str | None:
+        """The rank's memory growth as the leak notice said it, if it was said."""
+        mine = self.ranks.get(rank)
+        return mine.grew if mine is not None and mine.grew else None
 
     def figures(self, rank: int) -> dict[str, Any]:
         mine = self.ranks.get(rank)
@@ -137,4 +149,4 @@ def _gib(n: float, unit: bool = True) -> str:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+    return size(n)

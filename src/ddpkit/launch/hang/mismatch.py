@@ -1,0 +1,144 @@
+"""Ranks that wait in different collectives: a broadcast where the others all-reduce, the same
+collective with other shapes, or one collective more on some ranks (their sequence numbers
+differ). Each waits for a partner call that never comes, so the job hangs (gloo, NCCL) or
+aborts (gloo's size check). No timeout fixes that: the verdict names each group's call (op,
+sequence number and shapes from the progress record and the flight recorder, where they
+have them) and the branch in the script that sent the ranks different ways.
+
+`find` is pure (a table in tests/unit/test_hang_verdict.py); `branch_at` reads the script.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpkit.common.ranges import ranks_text
+
+
+@dataclass(frozen=True)
+class Call:
+    """The collective a rank waits in, as far as the evidence says."""
+
+    rank: int
+    op: str
+    site: str = ""  # 'train.py:42'
+    shapes: str = ""  # '[8] [8]', '' when unknown
+    seq: int | None = None  # the collective's sequence number in its group, None when unknown
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    line: str  # 'the ranks called different collectives: ...'
+    odd: list[int]  # the ranks of the smaller group
+    sites: list[str]  # the smaller group's site first, then the others'
+
+
+def find(calls: list[Call]) -> Mismatch | None:
+    """Whether ranks that all wait in a collective wait in different ones, and how."""
+    if len(calls) < 2:
+        return None
+    kind = ""
+    if len({c.op for c in calls}) > 1:
+        kind, key = "different collectives", (lambda c: (c.op,))
+    elif len({c.shapes for c in calls if c.shapes}) > 1 and all(c.shapes for c in calls):
+        kind, key = f"{calls[0].op} with different shapes", (lambda c: (c.op, c.shapes))
+    elif len({c.seq for c in calls}) > 1 and all(c.seq is not None for c in calls):
+        kind = f"different numbers of collectives (each waits in another {calls[0].op})"
+        key = lambda c: (c.op, c.seq)  # noqa: E731
+    if not kind:
+        return None
+    groups: dict[tuple[object, ...], list[Call]] = {}
+    for call in sorted(calls, key=lambda c: c.rank):
+        groups.setdefault(key(call), []).append(call)
+    ordered = sorted(groups.values(), key=lambda g: (len(g), -g[0].rank))
+    parts = [_group_text(group) for group in ordered]
+    return Mismatch(
+        f"the ranks called {kind}: " + "; ".join(parts),
+        [c.rank for c in ordered[0]],
+        [g[0].site for g in ordered if g[0].site],
+    )
+
+
+def _group_text(group: list[Call]) -> str:
+    first = group[0]
+    ranks = [c.rank for c in group]
+    who = f"rank{'s' if len(ranks) > 1 else ''} {ranks_text(ranks)}"
+    seq = f" #{first.seq}" if first.seq is not None else ""
+    shapes = f" of {first.shapes}" if first.shapes else ""
+    site = f" at {first.site}" if first.site else ""
+    return f"{who} {first.op}{seq}{shapes}{site}"
+
+
+FIX = (
+    "every rank must call the same collectives, in the same order, with the same shapes; a "
+    "collective inside a branch that only some ranks take (if rank == 0: ...) waits forever"
+)
+
+
+def fix_line(mismatch: Mismatch, roots: list[Path]) -> str:
+    """The fix, with the branch that sent the ranks different ways where it can be found."""
+    for site in mismatch.sites:
+        branch = branch_at(site, roots)
+        if branch:
+            return f"{FIX}: look at the branch at {branch}"
+    return FIX
+
+
+def branch_at(site: str, roots: list[Path]) -> str:
+    """'train.py:40 (`if rank == 0:`)': the innermost if/else around the line of `site` whose
+    test reads a rank (a branch on anything else does not send ranks different ways), in the
+    file of that name under one of `roots`; '' when none is found."""
+    name, _, line = site.partition(":")
+    number = int(line.split()[0]) if line.split() and line.split()[0].isdigit() else 0
+    path = _locate(name, tuple(roots))
+    if path is None or not number:
+        return ""
+    try:
+        source = path.read_text()
+        tree = ast.parse(source)
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    around = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and node.lineno <= number <= (node.end_lineno or 0)
+    ]
+    # a test that names a rank (if rank == 0, if master_process, if s.is_main)
+    on_rank = [n for n in around if _names_a_rank(n.test)]
+    best = max(on_rank, key=lambda node: node.lineno, default=None)
+    if best is None:
+        return ""
+    text = source.splitlines()[best.lineno - 1].strip()
+    return f"{name}:{best.lineno} (`{text}`)"
+
+
+RANK_WORDS = ("rank", "main", "master", "leader")
+
+
+def _names_a_rank(test: ast.expr) -> bool:
+    """The test reads a variable, attribute or function named like a rank (not a string)."""
+    for node in ast.walk(test):
+        name = (
+            node.id if isinstance(node, ast.Name) else node.attr
+            if isinstance(node, ast.Attribute) else ""
+        )  # fmt: skip
+        if any(word in name.lower() for word in RANK_WORDS):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _locate(name: str, roots: tuple[Path, ...]) -> Path | None:
+    """The file called `name` in one of `roots` (or one folder below), the first found."""
+    for root in roots:
+        for candidate in (root / name, *root.glob(f"*/{name}")):
+            if candidate.is_file():
+                return candidate
+    for root in roots:
+        if os.path.basename(str(root)) == name and root.is_file():
+            return root
+    return None
