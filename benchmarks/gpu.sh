@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu.sh tests        # the GPU tests (tests/gpu): NCCL setup, flight
 #                                       # recorder, faults, graphed steps, exact resume
+#   bash benchmarks/gpu.sh hang         # a GPU that never finishes; OOM verdicts; their cost
 #   bash benchmarks/gpu.sh launcher     # doctor, the demo, start-up against torchrun
 #   bash benchmarks/gpu.sh collectives  # every collective at 2..N GPUs, eager and -G
 #   bash benchmarks/gpu.sh training     # bench ddp: GPT b8/b32 with --graphs, ResNet b64
@@ -20,7 +21,7 @@
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory"}
+MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -62,6 +63,16 @@ stopflag)
     fi
   done
   grep -h -A3 "s.stop_requested every" "$OUT"/stop_flag_b*.txt | sed 's/^\[rank 0\] //'
+  ;;
+hang)  # issue 35: a GPU that never finishes, the OOM verdicts on a GPU, what the watch costs
+  machine
+  timeout 420 python3 -m pytest -m gpu tests/gpu/test_gpu_hang.py tests/gpu/test_memory_gpu.py \
+    -v -s -p no:cacheprovider >"$OUT/gpu_hang_tests.txt" 2>&1
+  timeout 150 python3 benchmarks/gpu_wait_cost.py --batch 8 >"$OUT/gpu_wait_cost.txt" 2>&1 ||
+    echo "FAILED gpu_wait_cost"
+  grep -E "root cause|fix:|verdict:|took|PASSED|FAILED|passed|failed|Error" \
+    "$OUT/gpu_hang_tests.txt" | cut -c1-400 | tail -40
+  cat "$OUT/gpu_wait_cost.txt" | tail -6
   ;;
 tests | faults)
   machine

@@ -63,6 +63,21 @@ def test_a_real_cuda_oom_is_named_with_torchs_own_figures(tmp_path):
     assert not job.survivors()
 
 
+def test_memory_that_grew_every_step_is_the_root_cause_of_the_oom_on_the_gpu(tmp_path):
+    job = start(["-n", "1", SCRIPT, "leak"], tmp_path)
+    assert job.finish(240) == 1, job.stderr
+    cause = re.search(r"root cause: (.*)", job.stderr).group(1)
+    fix = re.search(r"fix: (.*)", job.stderr).group(1)
+    print(f"\nverdict: {cause}\nfix: {fix}")
+    assert any("memory: rank 0's GPU memory (allocated by torch) grows" in line
+               for line in job.err), job.stderr  # fmt: skip
+    assert cause.startswith("rank 0 ran out of GPU memory at gpu_memory.py:"), cause
+    assert "after its memory grew step after step (" in cause
+    assert fix.startswith("find what keeps memory every step"), fix
+    assert "shard=True" not in fix
+    assert not job.survivors()
+
+
 def test_memory_snapshot_leaves_the_history_and_a_plot_in_the_run_folder(tmp_path):
     job = start(["-n", "1", "--memory-snapshot", SCRIPT, "oom"], tmp_path)
     assert job.finish(240) == 1, job.stderr

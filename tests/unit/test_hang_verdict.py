@@ -166,3 +166,129 @@ def test_the_flight_recorder_says_a_rank_waits_only_for_nccl(backend, before, se
     from ddpkit.launch.hang.watch import waits_in_flight
 
     assert waits_in_flight(backend, before, seen) is waits
+
+
+# -- ranks in different collectives (issue 35) -----------------------------------------------
+
+
+def calls(*rows):
+    from ddpkit.launch.hang.mismatch import Call
+
+    return [Call(*row) for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (  # a broadcast where the others all-reduce
+            [(0, "all_reduce", "t.py:9", "[8]", 3), (1, "broadcast", "t.py:7", "[8]", 3),
+             (2, "all_reduce", "t.py:9", "[8]", 3)],
+            "the ranks called different collectives: rank 1 broadcast #3 of [8] at t.py:7; "
+            "ranks 0,2 all_reduce #3 of [8] at t.py:9",
+        ),
+        (  # the same collective, other shapes
+            [(0, "all_reduce", "t.py:9", "[8]", 5), (1, "all_reduce", "t.py:9", "[16]", 5)],
+            "the ranks called all_reduce with different shapes: rank 1 all_reduce #5 of [16] "
+            "at t.py:9; rank 0 all_reduce #5 of [8] at t.py:9",
+        ),
+        (  # one collective more on rank 3: it waits in the next one
+            [(0, "all_reduce", "t.py:9", "[8]", 6), (1, "all_reduce", "t.py:9", "[8]", 6),
+             (2, "all_reduce", "t.py:9", "[8]", 6), (3, "all_reduce", "t.py:9", "[8]", 7)],
+            "the ranks called different numbers of collectives (each waits in another "
+            "all_reduce): rank 3 all_reduce #7 of [8] at t.py:9; ranks 0-2 all_reduce #6 of [8] "
+            "at t.py:9",
+        ),
+        (  # another node's ranks come as places only (no shapes, no sequence numbers)
+            [(0, "all_reduce", "t.py:9"), (1, "barrier", "t.py:12")],
+            "the ranks called different collectives: rank 1 barrier at t.py:12; rank 0 "
+            "all_reduce at t.py:9",
+        ),
+    ],
+)  # fmt: skip
+def test_ranks_in_different_collectives_are_named_by_group(rows, expected):
+    from ddpkit.launch.hang.mismatch import find
+
+    assert find(calls(*rows)).line == expected
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(0, "all_reduce", "t.py:9", "[8]", 3), (1, "all_reduce", "t.py:9", "[8]", 3)],
+        [(0, "all_reduce", "t.py:9", "", None), (1, "all_reduce", "t.py:9", "[8]", 4)],
+        [(0, "all_reduce", "t.py:9", "[8]", 3)],
+    ],
+)
+def test_ranks_waiting_in_the_same_collective_are_no_mismatch(rows):
+    from ddpkit.launch.hang.mismatch import find
+
+    assert find(calls(*rows)) is None
+
+
+def test_a_rank_doing_something_else_is_no_mismatch_of_collectives():
+    from ddpkit.launch.hang.places import calls_of
+
+    places = {0: ("wait in all_reduce", "t.py:9"), 1: ("is elsewhere: evaluate", "t.py:20")}
+    assert calls_of(places, {}) is None
+
+
+def test_the_fix_points_at_the_branch_on_the_rank_not_another_branch(tmp_path):
+    from ddpkit.launch.hang.mismatch import Mismatch, fix_line
+
+    (tmp_path / "train.py").write_text(
+        "import torch.distributed as dist\n"
+        "for step, batch in enumerate(loader):\n"
+        "    if step % 100 == 0:\n"
+        "        if master_process:\n"
+        "            dist.barrier()\n"
+        "    if mode == 'rank-ish':\n"
+        "        dist.all_reduce(batch)\n"
+    )  # fmt: skip
+    found = Mismatch("x", [0], ["train.py:5", "train.py:7"])
+    assert fix_line(found, [tmp_path]).endswith(
+        "look at the branch at train.py:4 (`if master_process:`)"
+    )
+    neither = Mismatch("x", [0], ["train.py:7"])
+    assert "look at the branch" not in fix_line(neither, [tmp_path]), "a string is not a rank"
+
+
+# -- a GPU that never finishes (issue 35) ------------------------------------------------------
+
+
+def test_a_gpu_rank_standing_in_one_call_waits_for_its_gpu():
+    from ddpkit.launch.hang.places import gpu_wait
+
+    now = 1000.0
+    still = protocol.Record(ticked=now, still=now - 30, gpu="d1c6a2f0-0000")
+    said = gpu_wait(still, now)
+    # here without NVML (CI): the GPU's utilisation cannot be read, and the verdict says so
+    assert said.startswith(("waits for its GPU, for 30 s with no step ended", "waits for GPU"))
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        protocol.Record(ticked=1000.0, still=999.0, gpu="d1c6"),  # a short call: 1 s
+        protocol.Record(ticked=1000.0, still=0.0, gpu="d1c6"),  # its thread moves
+        protocol.Record(ticked=1000.0, still=900.0, gpu=""),  # a CPU rank waiting in C
+        None,
+    ],
+)
+def test_a_moving_or_cpu_rank_does_not_wait_for_a_gpu(record):
+    from ddpkit.launch.hang.places import gpu_wait
+
+    assert gpu_wait(record, 1000.0) is None
+
+
+def test_a_gpu_rank_with_nccls_kernel_started_waits_in_the_collective_not_for_its_gpu():
+    stack = [Frame("/home/me/train.py", 30, "<module>")]
+    gpu = "waits for GPU 0, busy for 40 s with no step ended (100% utilised)"
+    assert where(stack, None, None, "nccl:all_reduce #6 (started)", True, gpu) == (
+        "wait in all_reduce",
+        "train.py:30",
+    )
+    # queued behind the rank's own kernel: its GPU's work is what never ends
+    assert where(stack, None, None, "nccl:all_reduce #6 (scheduled)", True, gpu) == (
+        gpu,
+        "train.py:30",
+    )

@@ -55,3 +55,21 @@ def test_a_broken_hint_never_hides_the_error(monkeypatch):
     monkeypatch.setattr(hints, "_fix_for", lambda e, t: 1 / 0)
     err, tb = raised(lambda: sys.exit(3))
     assert fix_for(err, tb) == ""
+
+
+def test_a_port_in_use_names_the_process_that_holds_it_and_the_fix():
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        store = lambda: dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=5))  # noqa: E731
+        err, tb = raised(store)
+        fix = fix_for(err, tb)
+    finally:
+        holder.close()
+    assert fix.startswith(f"port {port} is held by pid ")
+    assert "let ddpkit run choose the port" in fix
+    assert "--master-port" in fix

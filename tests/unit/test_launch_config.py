@@ -252,6 +252,30 @@ def test_rank_variables_and_misspellings_in_the_launchers_shell_are_warned_about
     assert mistakes.environment_warnings({"PATH": "/usr/bin", "OMP_NUM_THREADS": "4"}) == []
 
 
+def test_a_master_port_or_address_in_the_launchers_shell_is_said_to_be_ignored():
+    said = mistakes.rendezvous_warnings({"MASTER_PORT": "29500", "MASTER_ADDR": "10.1.2.3"},
+                                        "127.0.0.1", 0)  # fmt: skip
+    assert said[0].startswith("MASTER_PORT=29500 is set in this shell; ddpkit run gives every "
+                              "rank the job's own (a free port it picks)")  # fmt: skip
+    assert "--master-port 29500" in said[0]
+    assert said[1].startswith("MASTER_ADDR=10.1.2.3 is set in this shell")
+    # the same values as the job's, or loopback for loopback: nothing to say
+    assert mistakes.rendezvous_warnings({"MASTER_PORT": "29500", "MASTER_ADDR": "localhost"},
+                                        "127.0.0.1", 29500) == []  # fmt: skip
+
+
+def test_a_rank_of_ddpkit_run_is_listed_by_its_script_not_the_bootstrap():
+    from ddpkit.common.procs import shown_command
+
+    words = ["/usr/bin/python3", "-m", "ddpkit.rank.bootstrap", "script", "train.py", "--lr", "3"]
+    assert shown_command(words) == "python3 train.py --lr 3"
+    module = ["python", "-m", "ddpkit.rank.bootstrap", "module", "pkg.train", "x"]
+    assert shown_command(module) == "python -m pkg.train x"
+    assert shown_command(["torchrun", "--nproc-per-node", "2", "t.py"]) == (
+        "torchrun --nproc-per-node 2 t.py"
+    )
+
+
 def test_run_help_shows_each_options_default(capsys):
     from ddpkit.cli import main
 

@@ -51,18 +51,19 @@ def failed(workers: list[Any], state_dir: Path) -> list[Any]:
 
 
 def settled(workers: list[Any], state_dir: Path) -> bool:
-    """Whether a failure's near-simultaneous exits have landed. While every rank that failed so
-    far failed waiting for a peer (its connection closed, a timeout ran out), a live rank still
-    inside a collective, or one that recorded its error and is exiting, is failing the same way,
-    only slower on a loaded machine: it has not landed yet. A rank that failed for itself (a
-    crash, an exception) settles at once."""
+    """Whether a failure's near-simultaneous exits have landed. A live rank that has recorded
+    its error is still landing (ranks that fail the same way at once are reported together).
+    While every rank that failed so far failed waiting for a peer (its connection closed, a
+    timeout ran out), a live rank still inside a collective is failing the same way, only
+    slower on a loaded machine: it has not landed yet. A rank that failed for itself (a
+    crash, an exception) settles at once otherwise."""
     failed = [w for w in workers if w.exit_code not in (None, 0)]
+    if any(w.exit_code is None and protocol.read_error(state_dir, w.rank) for w in workers):
+        return False  # a rank that recorded its error is on its way out: let it land
     if not all(waited(protocol.read_error(state_dir, w.rank)) for w in failed):
         return True
     for w in workers:
         if w.exit_code is None:
-            if protocol.read_error(state_dir, w.rank) is not None:  # on its way out
-                return False
             record = protocol.read_record(state_dir, w.rank)
             if record is not None and record.in_collective:
                 return False

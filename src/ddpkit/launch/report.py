@@ -24,6 +24,7 @@ from ddpkit.launch.rundir import open_private
 
 HANG_EXIT_CODE = 124  # as GNU timeout's
 
+SAME_MOMENT = 1.0  # seconds within which ranks failing the same way failed together
 VICTIM_WORDS = protocol.VICTIM_WORDS  # a rank's error that says a peer failed first
 
 
@@ -135,6 +136,16 @@ class Outcome:
             return any(word in error.message for word in VICTIM_WORDS), error.time
 
         root = min(failed, key=order)
+        first = errors.get(root.rank)
+        if first is not None:  # ranks that failed the same way at once: the lowest names it
+            same = [
+                w
+                for w in failed
+                if (e := errors.get(w.rank)) is not None
+                and e.type == first.type
+                and e.time - first.time < SAME_MOMENT
+            ]
+            root = min(same, key=lambda w: w.rank)
         victim = order(root)[0] is True
         summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
         fix = ""
@@ -222,8 +233,8 @@ class Outcome:
         for w in workers:
             if w is not root and not self.interrupted and w.rank not in (self.victims or ()):
                 what = "stopped by ddpkit" if w.stopped else describe_exit(w.exit_code)
-                error = protocol.read_error(state_dir, w.rank) if w.exit_code else None
-                if root_error and error and error.type == root_error.type and not w.stopped:
+                error = protocol.read_error(state_dir, w.rank)
+                if root_error and error and error.type == root_error.type:
                     what = f"failed the same way ({error.type})"
                 others.setdefault(what, []).append(w.rank)
         if others:
