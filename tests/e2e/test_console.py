@@ -292,24 +292,39 @@ def test_stdin_reaches_the_rank_that_asks(tmp_path):
 
 
 @needs_tmux
-def test_breakpoint_answers_in_a_terminal(tmp_path):
-    script = tmp_path / "debug_me.py"
-    script.write_text(
-        "import os\nx = 6\nif os.environ['RANK'] == '0':\n    breakpoint()\nprint('after', x * 7)\n"
-    )
-    term = terminal.Terminal([*DDPKIT, "run", "-n", "2", str(script)], tmp_path)
+def test_a_rank_at_a_breakpoint_answers_in_a_terminal_and_is_never_called_hung(tmp_path):
+    # rank 1 (not the terminal's default rank) at its prompt for longer than --hang-timeout:
+    # said once, on a line of its own, the prompt shown again; the job is left alone
+    command = [*DDPKIT, "run", "-n", "2", "--stdin", "1", "--hang-timeout", "3",
+               str(SCRIPTS / "debugs.py")]  # fmt: skip
+    term = terminal.Terminal(command, tmp_path)
     try:
         term.wait_for("(Pdb)")
+        screen = term.wait_for("rank 1 is at a debugger prompt (pdb): not a hang", 30)
+        time.sleep(4)  # past another hang timeout
+        screen = term.screen()
+        assert "\nddpkit: rank 1 is at a debugger prompt" in screen, "on a line of its own"
+        assert screen.rstrip().endswith("[rank 1] (Pdb)"), "the prompt, shown again"
+        assert "hung" not in screen
+        assert screen.count("is at a debugger prompt") == 1
         term.keys("p x * 7", "Enter")
-        term.wait_for("[rank 0] 42")
+        term.wait_for("[rank 1] tensor([42.])")
         deadline = time.monotonic() + 10
-        while term.screen().count("(Pdb)") < 2 and time.monotonic() < deadline:
+        while term.screen().count("(Pdb)") < 3 and time.monotonic() < deadline:
             time.sleep(0.1)  # the next prompt, before typing the next command
         term.keys("c", "Enter")
         assert term.exit_code(60) == 0
-        assert "[rank 0] after 42" in term.screen()
+        assert "[rank 0] after 42.0" in term.screen()
     finally:
         term.close()
+
+
+def test_a_breakpoint_on_a_rank_without_the_terminal_says_how_to_give_it_one(tmp_path):
+    job = start(["-n", "2", "--grace", "1", str(SCRIPTS / "debugs.py")], tmp_path)
+    assert job.finish(60) == 1
+    assert "root cause: rank 1 exited with code 1 (BdbQuit" in job.stderr
+    assert "rerun with --stdin 1 to debug rank 1 at its prompt" in job.stderr
+    assert not job.survivors()
 
 
 def test_a_hand_written_child_doing_io_is_progress_not_a_hang(tmp_path):

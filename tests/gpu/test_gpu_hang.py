@@ -52,8 +52,8 @@ def test_a_collective_queued_behind_the_kernel_is_still_the_gpus_wait(tmp_path):
 
 
 def test_the_rank_whose_gpu_never_finishes_is_named_not_the_rank_waiting_for_it(tmp_path):
-    # two ranks on one GPU with gloo: rank 1's kernel never ends; rank 0 waits in all_reduce
-    cause, _ = hung(tmp_path, "-n", "2", SCRIPT, "forever", "1", "gloo")
+    # two gloo ranks (-n cpu) on one GPU: rank 1's kernel never ends; rank 0 waits in all_reduce
+    cause, _ = hung(tmp_path, "-n", "cpu", SCRIPT, "forever", "1", "gloo")
     assert re.search(rf"rank 1 {WAITS} \(gpu_hang\.py:44\)", cause), cause
     assert re.search(r"rank 0 waits in all_reduce \(gpu_hang\.py:\d+\)", cause), cause
 

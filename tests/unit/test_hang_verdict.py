@@ -271,6 +271,8 @@ def test_a_gpu_rank_standing_in_one_call_waits_for_its_gpu():
         protocol.Record(ticked=1000.0, still=999.0, gpu="d1c6"),  # a short call: 1 s
         protocol.Record(ticked=1000.0, still=0.0, gpu="d1c6"),  # its thread moves
         protocol.Record(ticked=1000.0, still=900.0, gpu=""),  # a CPU rank waiting in C
+        # in a (gloo) collective: waits for a peer, even while its GPU reads busy
+        protocol.Record(0, 0, 950.0, True, "all_reduce", ticked=1000.0, still=950.0, gpu="d1"),
         None,
     ],
 )

@@ -184,12 +184,13 @@ def read_error(state_dir: str | Path, rank: int | str) -> ErrorRecord | None:
 # time every TICK_EVERY s: a tick that stops while the rank burns CPU means some C code holds
 # the GIL (no Python thread can run), so that CPU time is not progress.
 
-_RECORD = struct.Struct("<QQdB7x32s96s160sdd48s")
+_RECORD = struct.Struct("<QQdB7x32s96s160sdd48sB7x")
 RECORD_SIZE = _RECORD.size
 BEATS_OFFSET = 8
 TICK_OFFSET = 320  # after finished, beats, since, inside (padded), op, shapes, site
 STILL_OFFSET = TICK_OFFSET + 8
 GPU_OFFSET = STILL_OFFSET + 8
+PROMPT_OFFSET = GPU_OFFSET + 48
 TICK_EVERY = 0.5  # seconds between the rank's ticks
 
 
@@ -207,6 +208,7 @@ class Record:
     # GPU sync, a blocking read); 0 while it moves
     still: float = 0.0
     gpu: str = ""  # the UUID of the GPU the rank uses, once it uses one ("" on the CPU)
+    prompt: bool = False  # the script's thread is at a debugger's prompt (pdb, breakpoint())
 
 
 class RecordWriter:
@@ -237,13 +239,16 @@ class RecordWriter:
             0.0,
             0.0,
             b"",
+            False,
         )[:TICK_OFFSET]
 
-    def tick(self, still: float = 0.0) -> None:
+    def tick(self, still: float = 0.0, prompt: bool = False) -> None:
         """The rank's Python threads run (called by its tick thread); `still`: since when the
-        script's thread has stood at one place, 0 while it moves."""
+        script's thread has stood at one place, 0 while it moves; `prompt`: it is at a
+        debugger's prompt."""
         self.ticked = time.time()
         struct.pack_into("<dd", self._map, TICK_OFFSET, self.ticked, still)
+        struct.pack_into("B", self._map, PROMPT_OFFSET, prompt)
 
     def set_gpu(self, uuid: str) -> None:
         struct.pack_into("48s", self._map, GPU_OFFSET, uuid.encode()[:48])
@@ -269,7 +274,7 @@ def read_record(state_dir: str | Path, rank: int | str) -> Record | None:
     if len(raw) < RECORD_SIZE:
         return None
     fields = _RECORD.unpack(raw[:RECORD_SIZE])
-    finished, beats, since, inside, op, shapes, site, ticked, still, gpu = fields
+    finished, beats, since, inside, op, shapes, site, ticked, still, gpu, prompt = fields
     return Record(
         finished,
         beats,
@@ -281,6 +286,7 @@ def read_record(state_dir: str | Path, rank: int | str) -> Record | None:
         ticked,
         still,
         _text(gpu),
+        bool(prompt),
     )
 
 

@@ -64,6 +64,7 @@ class Console:
         self.owner: int | None = None  # the rank whose line is open (no newline yet)
         self.bare = False  # the open line holds only its prefix (after a carriage return)
         self.bars: dict[tuple[int, int], Bar] = {}  # (rank, stream) -> its bar, in a log
+        self.prompt = b""  # a prompt shown and waiting for its answer (the cursor is after it)
         self._tty: dict[int, bool] = {}
 
     def is_terminal(self, stream: int) -> bool:
@@ -79,6 +80,7 @@ class Console:
         if out is None or self.closed:
             return
         with self.lock:
+            self.prompt = b""  # the rank wrote on: the answer was given
             try:
                 if prefix and b"\r" in data and not self.is_terminal(stream):
                     out.write(self._shape_log(rank, prefix, stream, data))
@@ -161,11 +163,31 @@ class Console:
         bar.written, bar.shown_at = True, time.monotonic()
         return prefix + bar.text + b"\n"
 
-    def line_ended(self, rank: int) -> None:
-        """The terminal ended the rank's open line itself (the echo of a typed answer)."""
+    def say(self, text: str) -> None:
+        """A line of the launcher's own on stderr, on a line of its own: a rank's open line
+        (a prompt waiting for its answer) is ended first."""
+        out = _buffer(sys.stderr)
+        if out is None:
+            return
+        with self.lock:
+            try:
+                if (self.owner is not None or self.prompt) and not self.closed:
+                    out.write(b"\n")
+                    self.owner, self.bare = None, False
+                out.write(text.encode(errors="replace") + b"\n")
+                if self.prompt and not self.closed:  # where the answer is typed, again
+                    out.write(self.prompt)
+                out.flush()
+            except (OSError, ValueError):
+                pass  # stderr is gone too: the exit code and report.txt still tell
+
+    def line_ended(self, rank: int, prompt: bytes = b"") -> None:
+        """The terminal ends the rank's open line itself (the echo of a typed answer); until it
+        does, the cursor stands after `prompt`, which a line of the launcher's shows again."""
         with self.lock:
             if self.owner == rank:
                 self.owner, self.bare = None, False
+                self.prompt = prompt
 
     def end_line(self, rank: int) -> None:
         """At a rank's end: close its open line (erase a lone prefix on a terminal); in a log,
@@ -266,9 +288,10 @@ class RankOutput:
         poller.register(fd, select.POLLIN | select.POLLHUP)
         while True:
             if self._held and not poller.poll(HOLD_MS):
+                prompt = self._held[1]
                 self._show_held()  # quiet for a moment: show the partial line (a prompt)
                 if self.reads_stdin:  # the user answers it and presses Enter: a new line
-                    self.console.line_ended(self.rank)
+                    self.console.line_ended(self.rank, self.prefix + prompt)
                 continue
             try:
                 chunk = os.read(fd, CHUNK)

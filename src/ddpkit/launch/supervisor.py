@@ -32,7 +32,6 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -404,7 +403,4 @@ def _become_subreaper() -> None:
 
 
 def _say(text: str, prefix: str = "ddpkit: ") -> None:
-    try:
-        print(f"{prefix}{text}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass  # stderr is gone too: the exit code and report.txt still tell
+    CONSOLE.say(f"{prefix}{text}")

@@ -6,6 +6,7 @@ record, and the launcher's report prints it under the root cause.
 * `rank % torch.cuda.device_count()` on a machine where no GPU is visible;
 * DDP's unused parameters, named (torch gives their indices) with `find_unused_parameters=True`;
 * a model that differs on one rank (DDP's shape check), with the parameter named;
+* a debugger on a rank that has no terminal (BdbQuit: `--stdin N`);
 * a port already in use (EADDRINUSE), with the process that holds it and how to let the
   launcher choose one.
 """
@@ -13,6 +14,7 @@ record, and the launcher's report prints it under the root cause.
 from __future__ import annotations
 
 import linecache
+import os
 import re
 import sys
 from types import TracebackType
@@ -44,6 +46,14 @@ def _fix_for(error: BaseException, tb: TracebackType | None) -> str:
             "torch.cuda.device_count() is 0: no GPU is visible here (check CUDA_VISIBLE_DEVICES "
             "and nvidia-smi); on CPUs use gloo and no set_device, or ddpkit.setup(), which "
             "picks the device from LOCAL_RANK"
+        )
+    if type(error).__name__ == "BdbQuit" and os.environ.get("_DDPKIT_STATE_DIR"):
+        rank = os.environ.get("RANK", "0")
+        return (
+            f"a debugger (breakpoint(), pdb) on rank {rank} found no terminal to read: ddpkit "
+            "run gives the terminal to one rank (rank 0 by default, when it is a terminal); "
+            f"rerun with --stdin {rank} to debug rank {rank} at its prompt (the hang watch "
+            "leaves a rank at a prompt alone)"
         )
     if "EADDRINUSE" in message or "ddress already in use" in message:
         port = _PORT.search(message)

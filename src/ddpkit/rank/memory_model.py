@@ -118,7 +118,8 @@ def blocks(modules: list[Any]) -> int:
             kinds = [type(m) for m in module]
             if kinds:
                 common = max(kinds.count(k) for k in set(kinds))
-                if common > most and any(True for _ in module[0].parameters()):
+                # a block has parts of its own (a transformer layer), not one Linear
+                if common > most and any(True for _ in module[0].children()):
                     most = common
     return most
 

@@ -63,16 +63,28 @@ def start_ticking() -> None:
             # every time: the GPU allocations it makes each step tell it from a wait that
             # never ends
             here = (id(frame), frame.f_lasti, _allocations(gpu)) if frame is not None else None
+            prompt = _at_prompt(frame)
             del frame
             now = time.time()
             if here is None or here != at:
                 at, since = here, now
-            w.tick(since if now - since >= protocol.TICK_EVERY * 1.5 else 0.0)
+            w.tick(since if now - since >= protocol.TICK_EVERY * 1.5 else 0.0, prompt)
             if gpu is None:
                 gpu = _tell_gpu(w)
             time.sleep(protocol.TICK_EVERY)
 
     threading.Thread(target=tick, daemon=True, name="ddpkit-tick").start()
+
+
+def _at_prompt(frame: object) -> bool:
+    """The script's thread is inside a debugger (pdb, breakpoint(), ipdb: bdb's frames)."""
+    if "bdb" not in sys.modules:
+        return False
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("bdb.py"):  # type: ignore[attr-defined]
+            return True
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return False
 
 
 def _allocations(index: int | None) -> int:

@@ -6,9 +6,9 @@ oom         a real CUDA out-of-memory at the second step: a model of 4 x Linear(
             between that step's peak and that peak plus Adam's state, which the next step also
             holds. As it fails, torch's own figures are printed (`stats allocated=N reserved=N
             params=N grads=N optimizer=N`) and the error goes on, uncaught, to the launcher.
-leak        an evaluation outside torch.no_grad() kept every step (its graph and activations
-            stay alive), capped 2 GiB above the first step's peak: GPU memory grows until the
-            allocator fails, many steps later (prints `leaking` once it starts)
+leak        an evaluation outside torch.no_grad() kept every step (its graph and activations,
+            about 4 MiB, stay alive), capped 1.5 GiB above the first step's peak: GPU memory
+            grows until the allocator fails, about 40 s later (prints `leaking` once it starts)
 fit STATE [--micro N] [--steps N]
             the same model through s.fit, capped at CAP_MIB from the start, batches of 16384:
             a micro-batch of 16384 needs about 1.4 GiB and does not fit, 8192 needs about
@@ -63,19 +63,19 @@ with ddpkit.setup(seed=0) as s:
         import time
 
         kept = []
-        probe = torch.randn(512, WIDTH, device=s.device)
+        probe = torch.randn(128, WIDTH, device=s.device)
         for step in range(100_000):
-            x, y = probe, torch.zeros(512, dtype=torch.long, device=s.device)
+            x, y = probe, torch.zeros(128, dtype=torch.long, device=s.device)
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             kept.append(model(probe))  # "evaluation", outside no_grad, kept for logging
             if step == 0:
-                cap = torch.cuda.max_memory_allocated() + 2 * 2**30
+                cap = torch.cuda.max_memory_allocated() + 3 * 2**29
                 torch.cuda.set_per_process_memory_fraction(cap / total)
                 print("leaking", flush=True)
-            time.sleep(0.05)
+            time.sleep(0.1)
     if args.mode == "oom":
         for step, (x, y) in enumerate(loader):
             opt.zero_grad(set_to_none=True)

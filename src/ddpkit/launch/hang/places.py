@@ -378,6 +378,8 @@ def process_state(pid: int, record: protocol.Record | None) -> str | None:
         return f"is stopped by a debugger: pid {tracer} traces it"
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
         return f"is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT {pid}` resumes it)"
+    if record is not None and record.prompt:
+        return "is at a debugger prompt (pdb)"
     if record is not None and record.ticked and time.time() - record.ticked > GIL_STALE:
         return f"holds the GIL in C code for {time.time() - record.ticked:.0f} s"
     return gpu_wait(record)
@@ -393,6 +395,8 @@ def gpu_wait(record: protocol.Record | None, now: float | None = None) -> str | 
     call is something else (CPU work in C), which is not this."""
     now = time.time() if now is None else now
     if record is None or not record.gpu or not record.still or now - record.still < GPU_STILL:
+        return None
+    if record.in_collective:  # it stands in a collective: it waits for a peer, not its GPU
         return None
     from ddpkit.common.gpus import utilization
 

@@ -47,6 +47,7 @@ class RankState:
     nccl: tuple[int, int | None] | None = None  # (last completed seq, oldest pending seq)
     stuck_in_nccl: bool = False
     backend: str | None = None  # its process group's, read once the rank wrote it
+    said_prompt: bool = False  # its debugger prompt was said (once per visit)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,11 @@ class HangWatch:
                 and cpu - state.cpu >= BUSY_SHARE * interval
             )
             moved = io - state.io if state.io >= 0 else 0
-            if advanced or busy:
+            prompt = record is not None and record.prompt and w.exit_code is None
+            if prompt:  # a person is debugging this rank: the job waits for them, not hung
+                self._say_prompt(w.rank, record, state)
+            state.said_prompt = state.said_prompt and prompt
+            if advanced or busy or prompt:
                 state.last_progress = state.last_compute = now
                 state.io_since, state.said_io = 0, False
             elif moved >= IO_BYTES_PER_S * interval:  # a download, a dataset being written
@@ -134,7 +139,8 @@ class HangWatch:
             self.said_wait = False  # everyone moves again: a new episode may be said
             return
         waiting = [r for r, q in quiet.items() if q >= self._wait_threshold()]
-        if waiting and working and not self.said_wait and self.waits is None:
+        debugged = any(self.ranks[r].said_prompt for r in working)  # said with the prompt
+        if waiting and working and not debugged and not self.said_wait and self.waits is None:
             self.said_wait = True
             began = time.time() - max(quiet[r] for r in waiting)
             self.waits = Waits(sorted(waiting), sorted(working), began)
@@ -160,6 +166,18 @@ class HangWatch:
                 f"rank {rank} has done no collective for {quiet:.0f} s but its process tree "
                 f"read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
             )
+
+    def _say_prompt(self, rank: int, record: protocol.Record, state: RankState) -> None:
+        if state.said_prompt:
+            return
+        state.said_prompt = True
+        group = protocol.read_group(self.state_dir, rank)
+        ends = f" ({group[0]}, {group[1]:g} s)" if group else ""
+        self.notes.append(
+            f"rank {rank} is at a debugger prompt (pdb): not a hang; the hang watch leaves the "
+            f"job alone while it is there and the other ranks wait for it (the process group's "
+            f"timeout{ends} still ends the job if the session outlasts it)"
+        )
 
     def _local_stall(self, now: float) -> float:
         return min(now - s.last_progress for s in self.ranks.values())
