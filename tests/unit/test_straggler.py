@@ -84,3 +84,97 @@ def test_the_step_ring_gives_what_is_new_and_survives_wrapping(tmp_path):
     assert numbers[-1] == protocol.STEP_RING + 19
     assert numbers == list(range(numbers[0], numbers[-1] + 1)), "oldest first, none twice"
     assert len(numbers) < protocol.STEP_RING, "what the ring no longer holds is not invented"
+
+
+# -- the words (issue 35): one factor in the line and the end table, a waiting rank is not
+# computing, a fact of the whole host is no evidence against one rank, an even job says nothing
+
+
+def cpu(r: int, share: float, host: str = "node0", steal: float = 0.0, **parts) -> RankSummary:
+    s = rank(r, **parts)
+    facts = {"cpu_share": share, "host": {"steal_percent": steal, "cores": 2, "load1": 1.0}}
+    return RankSummary(s.rank, host, s.steps, s.total, s.data, s.compute, s.comm, s.other,
+                       facts=facts)  # fmt: skip
+
+
+def test_a_rank_that_sleeps_is_said_to_wait_not_to_compute():
+    from ddpkit.launch.speed.verdicts import verdict
+
+    ranks = [
+        cpu(0, 0.9, comm=0.040),
+        cpu(1, 0.1, compute=0.070, comm=0.002),
+        cpu(2, 0.9, comm=0.040),
+    ]
+    found = find(ranks, 1.2)
+    line = verdict(found, {s.rank: s for s in ranks}, 50)
+    assert "computes" not in line
+    assert (
+        f"takes {found.own_factor:.2f}x the median rank's own time per step, but its process ran "
+        "10% of a core (others 90%): it waits on something else than computing"
+    ) in line
+
+
+def test_a_computing_rank_gives_the_factor_of_its_own_time_as_the_end_table_does():
+    from ddpkit.launch.speed.verdicts import verdict
+
+    ranks = [
+        cpu(0, 0.6, comm=0.025),
+        cpu(1, 0.9, compute=0.045, comm=0.010),
+        cpu(2, 0.6, comm=0.025),
+    ]
+    found = find(ranks, 1.2)
+    line = verdict(found, {s.rank: s for s in ranks}, 50)
+    assert f"computes 1.50x the median rank ({found.own_factor:.2f}x its own time per step)" in line
+
+
+def test_cpu_steal_on_the_host_every_rank_shares_is_no_evidence():
+    from ddpkit.launch.speed.verdicts import verdict
+
+    ranks = [cpu(0, 0.6, steal=7, comm=0.025), cpu(1, 0.9, steal=7, compute=0.045, comm=0.010)]
+    shared = verdict(find(ranks, 1.2), {s.rank: s for s in ranks}, 50)
+    assert "steal" not in shared
+    ranks = [cpu(0, 0.6, comm=0.025), cpu(1, 0.9, "node1", steal=30, compute=0.045, comm=0.01)]
+    alone = verdict(find(ranks, 1.2), {s.rank: s for s in ranks}, 50)
+    assert "CPU steal 30% on node1" in alone
+
+
+def report(own: list[float], hosts: int = 1, memory: bool = True) -> dict:
+    from ddpkit.launch.speed.memory import describe  # noqa: F401 - the column's own words
+
+    rows = [
+        {"rank": r, "host": f"node{r % hosts}", "steps": 96, "median_s": 0.0352,
+         "p90_s": 0.0414, "total_s": 3.4, "own_median": o,
+         "split": {"data": 0.03, "compute": 0.67, "comm": 0.30, "host": 0.0},
+         "memory": {"resident": 2**30, "peak": 2**30} if memory else {}}
+        for r, o in enumerate(own)
+    ]  # fmt: skip
+    return {"ranks": rows, "slowest": {"rank": 1, "own_over_median": max(own) / min(own),
+            "cost_s": 6.0, "cost_share": 0.3}, "threshold": 1.2}  # fmt: skip
+
+
+def test_the_end_table_fits_80_columns_and_counts_every_optimizer_step():
+    from ddpkit.launch.speed.verdicts import summary_text
+
+    text = summary_text(report([0.02, 0.03, 0.02]), width=80)
+    shown = ("ddpkit: " + text).splitlines()  # as the launcher prints it
+    assert max(len(line) for line in shown) <= 80, text
+    assert "    96 " in text
+    assert "host  " not in text.splitlines()[1][:20], "one host: no host column"
+    wide = summary_text(report([0.02, 0.03, 0.02], hosts=2), width=160)
+    assert "p90" in wide
+    assert "node1" in wide
+
+
+def test_an_even_job_gets_no_slowest_line():
+    from ddpkit.launch.speed.verdicts import summary_text
+
+    assert "slowest" not in summary_text(report([0.0200, 0.0202]), width=100)
+    assert "slowest: rank 1 (1.50x" in summary_text(report([0.02, 0.03]), width=100)
+
+
+def test_the_step_count_is_every_optimizer_step_the_first_included():
+    from ddpkit.launch.speed.watch import Track
+
+    track = Track(0, 1, 50)
+    track.take([protocol.Step(n, 0.0, 0.01, 0, 0.01, 0, 0) for n in range(1, 96)])
+    assert track.taken == 96, "record 1 is the second optimizer step: the first starts the clock"

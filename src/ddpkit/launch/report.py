@@ -9,6 +9,7 @@ not blamed for them.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ HANG_EXIT_CODE = 124  # as GNU timeout's
 
 SAME_MOMENT = 1.0  # seconds within which ranks failing the same way failed together
 VICTIM_WORDS = protocol.VICTIM_WORDS  # a rank's error that says a peer failed first
+
+
+def _same_error(a: protocol.ErrorRecord, b: protocol.ErrorRecord) -> bool:
+    """The same error on two ranks: its type, and its words but for the numbers in them."""
+    return a.type == b.type and re.sub(r"\d+", "#", a.message) == re.sub(r"\d+", "#", b.message)
 
 
 def describe_exit(code: int | None) -> str:
@@ -142,7 +148,7 @@ class Outcome:
                 w
                 for w in failed
                 if (e := errors.get(w.rank)) is not None
-                and e.type == first.type
+                and _same_error(e, first)
                 and e.time - first.time < SAME_MOMENT
             ]
             root = min(same, key=lambda w: w.rank)

@@ -25,8 +25,9 @@ from typing import Any
 
 from ddpkit.common import nccl_transport, procs, protocol
 from ddpkit.launch.speed import evidence, straggler
-from ddpkit.launch.speed.memory import MemoryWatch, describe
+from ddpkit.launch.speed.memory import MemoryWatch
 from ddpkit.launch.speed.straggler import Finding, RankSummary
+from ddpkit.launch.speed.verdicts import summary_text, verdict
 
 EVALUATE_EVERY = 2.0
 LIVE_EVERY = 1.0
@@ -46,11 +47,14 @@ class Track:
         self.kept: list[tuple[float, float, float, float, float]] = []  # total, data, ...
         self.every = 1  # keep one step in `every` (thinned as the job grows)
         self.seen = 0
+        # optimizer steps taken: the first starts the clock, so step record N is the N+1th
+        self.taken = 0
 
     def take(self, steps: list[protocol.Step]) -> None:
         for s in steps:
             self.window.append(s)
             self.seen += 1
+            self.taken = max(self.taken, s.number + 1)
             if self.seen % self.every == 0:
                 self.kept.append((s.total, s.data, s.compute, s.comm, s.host))
                 if len(self.kept) >= KEEP:
@@ -263,7 +267,9 @@ class SpeedWatch:
         if not rows:
             return ""
         slowest = max(rows, key=lambda r: r["own_median"])
-        typical = statistics.median(r["own_median"] for r in rows)
+        # the median of the other ranks', as the straggler verdict has it
+        others = [r["own_median"] for r in rows if r is not slowest] or [slowest["own_median"]]
+        typical = statistics.median(others)
         cost = max(0.0, slowest["own_median"] - typical) * slowest["steps"]
         total = max(r["total_s"] for r in rows)
         report = {
@@ -275,6 +281,7 @@ class SpeedWatch:
                 "cost_share": cost / total if total else 0.0,
             },
             "episodes": self.history,
+            "threshold": self.threshold,
         }
         try:
             (self.run_dir / "speed.json").write_text(json.dumps(report, indent=1))
@@ -282,76 +289,6 @@ class SpeedWatch:
         except OSError:
             pass
         return summary_text(report)
-
-
-# -- words -------------------------------------------------------------------------------------
-
-
-def verdict(finding: Finding, summaries: dict[int, RankSummary], window: int) -> str:
-    """`straggler: rank 3 (node1, GPU 3) computes 1.42x the median rank for the last 50 steps:
-    <evidence>; <what to do>`."""
-    me = summaries[finding.rank]
-    where = ", ".join(x for x in (me.host, me.gpu) if x)
-    others = [s for s in summaries.values() if s.rank != finding.rank]
-    if finding.part == "data":
-        what = (
-            f"waits for data {finding.share:.0%} of each step (others {finding.others_share:.0%})"
-        )
-        advice = "raise num_workers or check that node's disk"
-    elif finding.part == "compute":
-        what = f"computes {finding.factor:.2f}x the median rank"
-        advice = ""
-    else:
-        what = f"spends {finding.factor:.2f}x the median rank's host time outside the GPU"
-        advice = "the host cannot feed its GPU: check that node's CPU load"
-    facts, fix = evidence_words(me, others, finding.part)
-    advice = fix or advice
-    line = f"straggler: rank {finding.rank} ({where}) {what} for the last {me.steps} steps"
-    if facts:
-        line += f": {facts}"
-    line += "; the job runs at its pace"
-    return line + (f"; {advice}" if advice else "")
-
-
-def evidence_words(me: RankSummary, others: list[RankSummary], part: str) -> tuple[str, str]:
-    """(the evidence, what to do) for a slow rank, from NVML and the host's facts."""
-    said, fixes = [], []
-    gpu = me.facts.get("gpu") or {}
-    if gpu:
-        clocks = [o.facts.get("gpu", {}).get("sm_mhz") for o in others]
-        clocks = [c for c in clocks if c]
-        if gpu.get("sm_mhz") and clocks:
-            said.append(
-                f"{me.gpu or 'its GPU'} runs at {gpu['sm_mhz']} MHz "
-                f"(others {statistics.median(clocks):.0f} MHz)"
-            )
-        if gpu.get("throttle"):
-            said.append(
-                f"{' and '.join(gpu['throttle'])} at {gpu.get('temp_c', '?')} C, "
-                f"{gpu.get('power_w', 0):.0f} W"
-            )
-            fixes.append("check that GPU's cooling and power (nvidia-smi -q -d PERFORMANCE)")
-        for p in gpu.get("other_processes", [])[:2]:
-            said.append(f"another process uses it: pid {p['pid']} ({p['name']}, {p['mib']} MiB)")
-            fixes.append(f"stop pid {p['pid']} or move it to another GPU")
-    share = me.facts.get("cpu_share")
-    shares = [float(x) for o in others if (x := o.facts.get("cpu_share")) is not None]
-    if not gpu and share is not None and shares and part != "data":
-        typical = statistics.median(shares) * 100
-        said.append(f"its process ran {share * 100:.0f}% of a core (others {typical:.0f}%)")
-        busy = me.facts.get("competitors") or []
-        for b in busy[:2]:
-            said.append(f"pid {b['pid']} ({b['name']}) uses {b['percent']:.0f}% of its core(s)")
-        if busy:
-            fixes.append(f"stop pid {busy[0]['pid']} or give the job cores of its own")
-    host = me.facts.get("host") or {}
-    if host.get("steal_percent", 0) >= 5:
-        said.append(f"CPU steal {host['steal_percent']:.0f}% on {me.host} (a busy VM host)")
-    if host.get("load1") and host.get("cores") and host["load1"] > 1.5 * host["cores"]:
-        said.append(f"load {host['load1']:.1f} on {host['cores']} cores")
-    if host.get("mem_percent", 0) >= 95:
-        said.append(f"memory {host['mem_percent']:.0f}% used")
-    return "; ".join(said), "; ".join(dict.fromkeys(fixes))
 
 
 def live_row(s: RankSummary, slow: bool, track: Track | None) -> dict[str, Any]:
@@ -382,7 +319,7 @@ def whole_job_row(track: Track, host: str) -> dict[str, Any]:
     return {
         "rank": track.rank,
         "host": host,
-        "steps": track.seen,
+        "steps": track.taken,  # optimizer steps (the medians are over the timed ones)
         "median_s": statistics.median(totals),
         "p90_s": totals[min(len(totals) - 1, int(0.9 * len(totals)))],
         "total_s": sums[0] * track.every,
@@ -394,28 +331,6 @@ def whole_job_row(track: Track, host: str) -> dict[str, Any]:
             "host": sums[4] / whole,
         },
     }
-
-
-def summary_text(report: dict[str, Any]) -> str:
-    lines = [
-        "step times per rank (median, p90) and where they went:",
-        "  rank  host          steps   median     p90   data  compute   comm   host  memory",
-    ]
-    for r in report["ranks"]:
-        s = r["split"]
-        lines.append(
-            f"  {r['rank']:>4}  {r['host'][:12]:<12} {r['steps']:>6} {r['median_s'] * 1e3:>7.1f}ms"
-            f" {r['p90_s'] * 1e3:>6.1f}ms {s['data']:>6.0%} {s['compute']:>8.0%} {s['comm']:>6.0%}"
-            f" {s['host']:>6.0%}  {describe(r.get('memory') or {})}"
-        )
-    slow = report["slowest"]
-    if len(report["ranks"]) > 1 and slow["own_over_median"]:
-        lines.append(
-            f"  slowest: rank {slow['rank']} ({slow['own_over_median']:.2f}x the median rank's "
-            f"own time); at the median rank's pace the job would have been "
-            f"{slow['cost_s']:.1f} s ({slow['cost_share']:.0%}) shorter"
-        )
-    return "\n".join(lines)
 
 
 def plot(tracks: dict[int, Track], path: Path) -> None:
