@@ -10,7 +10,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.timeout(240)
-SCHEMA_KEYS = {"schema", "facts", "findings", "smoke", "summary"}
+SCHEMA_KEYS = {"schema", "facts", "findings", "smoke", "script", "summary"}
 FINDING_KEYS = {"level", "check", "what", "why", "fix", "where"}
 
 

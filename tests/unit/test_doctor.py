@@ -276,3 +276,47 @@ args = parser.parse_args()
 torch.cuda.set_device(args.local_rank)
 """
     assert "the local rank comes from a --local_rank argument" in scan_text(tmp_path, text)
+
+
+LAUNCHED = """import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+os.environ["MASTER_PORT"] = "12355"
+world_size = 4
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=world_size)
+rank = dist.get_rank()
+model = DDP(torch.nn.Linear(2, 2))
+if rank == 0:
+    dist.barrier()
+if rank == 0:
+    dist.send(torch.ones(1), 1)
+else:
+    dist.recv(torch.ones(1), 0)
+breakpoint()
+torch.save(model.state_dict(), "ckpt.pt")
+if rank == 0:
+    torch.save(model.state_dict(), "ok.pt")
+torch.save(model.state_dict(), f"ckpt_{rank}.pt")
+"""
+
+
+def test_the_mistakes_a_launcher_brings_out_are_found_with_their_lines(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(LAUNCHED)
+    found = {f"{f.what} [{f.where}]" for f in script.scan(str(path))}
+    assert found == {
+        "world_size=4 is written in the script [train.py:7]",
+        "barrier() is called only where `rank == 0` [train.py:11]",
+        "torch.save runs on every rank [train.py:17]",
+        "breakpoint() is in the script [train.py:16]",
+        "the script sets MASTER_PORT itself [train.py:5]",
+    }, "send/recv across a branch pair up; a save on rank 0 or to a rank's own file is fine"
+
+
+def test_the_report_says_the_script_was_scanned_even_when_nothing_was_found(tmp_path):
+    from ddpkit.cli.doctor import render
+    from ddpkit.doctor.facts import gather
+
+    text = render(gather(), [], None, 0, 0, {"path": "train.py", "findings": 0})
+    assert "scanned train.py (read, not run): nothing found" in text

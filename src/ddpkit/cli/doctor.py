@@ -41,8 +41,11 @@ def run(args: argparse.Namespace) -> int:
     environ = dict(os.environ)
     found = facts.gather(environ)
     findings = checks.run_all(found, environ)
+    scanned = None
     if args.script:
-        findings += script.scan(args.script, gpus=len(found.gpus), parsed=parsed)
+        in_script = script.scan(args.script, gpus=len(found.gpus), parsed=parsed)
+        scanned = {"path": args.script, "findings": len(in_script)}
+        findings += in_script
         findings.sort(key=lambda f: checks.LEVELS.index(f.level))  # problems first
     spread = [
         f"--{flag.replace('_', '-')}={value}"
@@ -86,13 +89,14 @@ def run(args: argparse.Namespace) -> int:
                     "facts": found.to_dict(),
                     "findings": [f.to_dict() for f in findings],
                     "smoke": smoke,
+                    "script": scanned,
                     "summary": {"errors": errors, "warnings": warnings},
                 },
                 indent=2,
             )
         )
     else:
-        print(render(found, findings, smoke, errors, warnings))
+        print(render(found, findings, smoke, errors, warnings, scanned))
     return 1 if errors or (args.strict and warnings) else 0
 
 
@@ -141,9 +145,21 @@ def smoke_test(gpus: int, spread: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(
-    found: Any, findings: list[Any], smoke: dict[str, Any] | None, errors: int, warnings: int
+    found: Any,
+    findings: list[Any],
+    smoke: dict[str, Any] | None,
+    errors: int,
+    warnings: int,
+    scanned: dict[str, Any] | None = None,
 ) -> str:
-    lines = [f"ddpkit doctor: {errors} error(s), {warnings} warning(s)", ""]
+    lines = [f"ddpkit doctor: {errors} error(s), {warnings} warning(s)"]
+    if scanned is not None:
+        n = scanned["findings"]
+        lines.append(
+            f"scanned {scanned['path']} (read, not run): "
+            + (f"{n} finding(s) below, marked with its lines" if n else "nothing found")
+        )
+    lines.append("")
     for f in findings:
         where = f" [{f.where}]" if f.where else ""
         lines.append(f"{f.level.upper():<8}{f.what}{where}")

@@ -154,6 +154,9 @@ def scan(
                 at(loaders[0]),
             )
         )
+    from ddpkit.doctor import script_launch
+
+    findings += script_launch.scan(tree, at)
     if samplers and not any(text_of[id(c)].endswith("set_epoch") for c in calls):
         findings.append(
             Finding(

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.common.branches import names_a_rank
 from ddpkit.common.ranges import ranks_text
 
 
@@ -108,27 +109,12 @@ def branch_at(site: str, roots: list[Path]) -> str:
         if isinstance(node, ast.If) and node.lineno <= number <= (node.end_lineno or 0)
     ]
     # a test that names a rank (if rank == 0, if master_process, if s.is_main)
-    on_rank = [n for n in around if _names_a_rank(n.test)]
+    on_rank = [n for n in around if names_a_rank(n.test)]
     best = max(on_rank, key=lambda node: node.lineno, default=None)
     if best is None:
         return ""
     text = source.splitlines()[best.lineno - 1].strip()
     return f"{name}:{best.lineno} (`{text}`)"
-
-
-RANK_WORDS = ("rank", "main", "master", "leader")
-
-
-def _names_a_rank(test: ast.expr) -> bool:
-    """The test reads a variable, attribute or function named like a rank (not a string)."""
-    for node in ast.walk(test):
-        name = (
-            node.id if isinstance(node, ast.Name) else node.attr
-            if isinstance(node, ast.Attribute) else ""
-        )  # fmt: skip
-        if any(word in name.lower() for word in RANK_WORDS):
-            return True
-    return False
 
 
 @functools.lru_cache(maxsize=64)
