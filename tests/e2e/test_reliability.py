@@ -255,6 +255,36 @@ def test_old_run_folders_beyond_the_newest_50_are_removed(tmp_path):
     assert (tmp_path / "run59").exists()
 
 
+def test_a_run_that_prunes_old_run_folders_says_how_many_went(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    old = time.time() - 2 * 3600
+    for i in range(5):
+        run = logs / f"old{i}"
+        run.mkdir()
+        (run / "rank0.log").write_text("x")
+        os.utime(run, (old + i, old + i))
+    job = start(["-n", "1", str(SCRIPTS / "env_dump.py"), str(tmp_path)], tmp_path,
+                env={"DDPKIT_KEEP_RUNS": "3"})  # fmt: skip
+    assert job.finish(60) == 0, job.stderr
+    # at its start the new run's folder holds no log yet: the newest 3 before it stay
+    assert f"removed 2 old run folder(s) from {logs}, keeping the newest 3" in job.stderr
+    assert sorted(p.name for p in logs.iterdir() if p.name.startswith("old")) == [
+        "old2", "old3", "old4"
+    ]  # fmt: skip
+
+
+def test_stacks_without_a_running_job_says_what_it_reads_and_where_ended_jobs_are():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("_DDPKIT")}
+    out = ddpkit("stacks", env=env)
+    if "jobs are running" in out.stderr:
+        pytest.skip("another test's job is running on this machine")
+    assert out.returncode == 2
+    assert "no training job is running on this machine" in out.stderr
+    assert "start one with `ddpkit run ...`" in out.stderr
+    assert "name one" not in out.stderr
+
+
 def ddpkit(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([*DDPKIT, *args], capture_output=True, text=True, timeout=60, **kw)
 

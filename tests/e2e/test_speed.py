@@ -223,4 +223,4 @@ def test_top_without_a_job_says_so():
         env=env,
     )
     assert out.returncode == 2
-    assert "no job 'nosuchjob'" in out.stderr or "no running training job" in out.stderr
+    assert "no job 'nosuchjob'" in out.stderr or "no training job is running" in out.stderr

@@ -183,11 +183,15 @@ def job_workers(job: str | None, command: str) -> tuple[str, list[TrainingProces
     workers = [p for p in list_training_processes() if p.role == "worker"]
     jobs = sorted({p.job for p in workers})
     job = job or (jobs[0] if len(jobs) == 1 else None)
+    if job is None and not jobs:
+        raise ConfigError(
+            "no training job is running on this machine (none that this user can see)",
+            fix=f"`ddpkit {command}` reads a running job: start one with `ddpkit run ...`; a job "
+            "that ended left its report and logs in its run folder ($TMPDIR/ddpkit-$UID/latest)",
+        )
     if job is None:
         raise ConfigError(
-            "no running training job"
-            if not jobs
-            else f"{len(jobs)} jobs are running: {', '.join(jobs)}",
+            f"{len(jobs)} jobs are running: {', '.join(jobs)}",
             fix=f"name one: `ddpkit {command} JOB` (see `ddpkit ps`)",
         )
     mine = [p for p in workers if p.job == job]

@@ -7,8 +7,9 @@ link to theirs). Each run gets a folder of its own, made with O_EXCL semantics (
 the same run id never share one), mode 0700; logs and reports inside are 0600.
 
 Retention (docs/launcher.md, "Output and files"): at each start, run folders beyond the newest
-KEEP and older than a week are removed from the base folder. `latest` in the base folder
-links to the newest run's folder.
+KEEP (DDPKIT_KEEP_RUNS) are removed from the base folder, except those written in the last
+hour (a job that may still run), and the launcher says how many went. `latest` in the base
+folder links to the newest run's folder.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from ddpkit.errors import ConfigError, LaunchError
 
 KEEP = 50
-KEEP_YOUNGER = 7 * 86400.0
+KEEP_YOUNGER = 3600.0  # a folder written this recently may be a running job's
 
 
 def base_folder(log_dir: Path | None) -> Path:
@@ -113,9 +114,16 @@ def open_private(path: Path) -> int:
     return os.open(path, flags, 0o600)
 
 
-def prune(base: Path, keep: int = KEEP, younger: float = KEEP_YOUNGER) -> list[Path]:
+def keep_runs() -> int:
+    """How many run folders to keep: DDPKIT_KEEP_RUNS, else KEEP (a bad value: KEEP)."""
+    raw = os.environ.get("DDPKIT_KEEP_RUNS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else KEEP
+
+
+def prune(base: Path, keep: int | None = None, younger: float = KEEP_YOUNGER) -> list[Path]:
     """Remove this user's run folders beyond the newest `keep` that are older than
     `younger` seconds. Only folders that look like runs (a rank log or a state folder)."""
+    keep = keep_runs() if keep is None else keep
     runs = []
     for entry in base.iterdir():
         try:

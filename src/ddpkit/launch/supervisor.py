@@ -99,7 +99,12 @@ def launch(cfg: LaunchConfig) -> int:
         run_dir = rundir.make(base, name)
         rundir.mark_latest(base, run_dir)
         with contextlib.suppress(OSError):
-            rundir.prune(base)
+            gone = rundir.prune(base)
+            if gone:
+                _say(
+                    f"removed {len(gone)} old run folder(s) from {base}, keeping the newest "
+                    f"{rundir.keep_runs()} (DDPKIT_KEEP_RUNS sets how many)"
+                )
         _say_start(cfg, node, run_dir)
         guard = watchdog.start(node.run_id, cfg.grace)
         job = Job(cfg, run_dir, signals, guard)

@@ -64,10 +64,11 @@ class _ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     triggered by this."""
 
     def __init__(self) -> None:
-        from ddpkit.rank import init_watch, steps
+        from ddpkit.rank import init_watch, sampler_watch, steps
 
         self.targets = {
             "torch.distributed.distributed_c10d": init_watch.patch_init,
+            "torch.utils.data.distributed": sampler_watch.patch_sampler,
             "torch.autograd": steps.patch_backward,
             "torch.optim.optimizer": steps.install_optimizer_hooks,
             "torch.utils.data.dataloader": steps.patch_dataloader,

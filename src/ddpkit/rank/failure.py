@@ -108,4 +108,5 @@ def record_errors() -> None:
         else:
             previous(kind, value, tb)
 
+    hook._ddpkit = True  # type: ignore[attr-defined]  # it shows a DdpkitError itself: setup() adds none
     sys.excepthook = hook

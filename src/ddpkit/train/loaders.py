@@ -135,12 +135,23 @@ class EpochLoader(DataLoader):
     even after the last batch, before the loop has seen the epoch end), or between passes (the
     pass ran out or its iterator was dropped: the next `iter()` starts the next epoch)."""
 
-    epoch = 0  # the epoch the next pass is
+    _next = 0  # the epoch the next pass is
     to_device: torch.device | None = None
     _taken = 0  # batches taken of the current pass
     _current = -1  # the epoch of the current pass
     _open: object | None = None  # the current pass, while its iterator lives
     _restored: tuple[int, int] | None = None  # (epoch, batches taken) the next pass resumes
+
+    @property
+    def epoch(self) -> int:
+        """Inside a pass, the epoch of that pass (what the loop is in); between passes, the
+        epoch the next pass will be, so `while train.epoch < epochs:` runs each epoch left
+        once, resumed or not."""
+        return self._current if self._open is not None else self._next
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:  # as set_epoch: the epoch the next pass is
+        self._next = int(value)
 
     def __iter__(self) -> Any:
         # lazy: an iterator made and dropped (tqdm's asyncio flavour makes one) starts nothing
@@ -151,13 +162,13 @@ class EpochLoader(DataLoader):
         launcher's hang doctor that this rank is making progress."""
         from ddpkit.rank.progress import beat
 
-        epoch, skip = self._restored or (self.epoch, 0)
+        epoch, skip = self._restored or (self._next, 0)
         self._restored = None
         sampler = self.sampler if isinstance(self.sampler, EpochSampler) else None
         if sampler is not None:
             sampler.set_epoch(epoch)
             sampler.skip = skip * (self.batch_size or 1)
-        self._current, self.epoch, self._taken = epoch, epoch + 1, skip
+        self._current, self._next, self._taken = epoch, epoch + 1, skip
         token = self._open = object()
         try:
             for batch in super().__iter__():
@@ -178,13 +189,13 @@ class EpochLoader(DataLoader):
             return {"epoch": self._current, "batches": self._taken}
         if self._restored is not None:
             return {"epoch": self._restored[0], "batches": self._restored[1]}
-        return {"epoch": self.epoch, "batches": 0}
+        return {"epoch": self._next, "batches": 0}
 
     def restore(self, state: dict[str, int]) -> None:
         """Stand where resume_state() was read: the next pass continues that epoch after the
         batches taken (and yields nothing when all were taken)."""
         self._restored = (int(state["epoch"]), int(state["batches"]))
-        self.epoch = self._restored[0]
+        self._next = self._restored[0]
         self._open = None
 
     def __len__(self) -> int:
