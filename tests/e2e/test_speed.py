@@ -97,7 +97,9 @@ def verdicts(text: str) -> list[str]:
     return [line for line in text.splitlines() if "straggler:" in line]
 
 
-@pytest.mark.parametrize(("world", "phases"), [(3, ["even", "data", "even", "compute:1.5"])])
+@pytest.mark.parametrize(
+    ("world", "phases"), [(3, ["even", "data", "even", "compute:1.5", "wait:2"])]
+)
 def test_the_slowed_rank_is_named_with_its_cause_an_even_phase_with_none_and_top_shows_it(
     tmp_path, world, phases
 ):
@@ -128,6 +130,11 @@ def test_the_slowed_rank_is_named_with_its_cause_an_even_phase_with_none_and_top
         # three workers on 2 cores. What is checked: the factor is above the 1.2 threshold and
         # within 1.5x of the fault's own 1.5 (a mixed-up part or unit would be far outside)
         assert 1.2 <= factors[0] <= 1.5 * 1.5, f"factor {factors[0]} for a 1.5x fault\n{said}"
+    if "wait:2" in phases:  # asleep, not computing: said so, from its own CPU use
+        waits = [v for v in said if "it waits on something else than computing" in v]
+        assert waits, job.stderr
+        assert "but its process asked for" in waits[0]
+        assert "computes" not in waits[0]
     if phases.index(first_fault) < len(phases) - 1 and phases[-1] != "even":
         assert "rank 1 is back at the job's pace" in job.stderr
     assert not [v for v in said if "rank 1" not in v], "only rank 1 was slowed"

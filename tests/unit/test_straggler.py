@@ -90,9 +90,11 @@ def test_the_step_ring_gives_what_is_new_and_survives_wrapping(tmp_path):
 # computing, a fact of the whole host is no evidence against one rank, an even job says nothing
 
 
-def cpu(r: int, share: float, host: str = "node0", steal: float = 0.0, **parts) -> RankSummary:
+def cpu(r: int, share: float, host: str = "node0", steal: float = 0.0, demand: float | None = None,
+        **parts) -> RankSummary:  # fmt: skip
     s = rank(r, **parts)
-    facts = {"cpu_share": share, "host": {"steal_percent": steal, "cores": 2, "load1": 1.0}}
+    facts = {"cpu_share": share, "cpu_demand": share if demand is None else demand,
+             "host": {"steal_percent": steal, "cores": 2, "load1": 1.0}}  # fmt: skip
     return RankSummary(s.rank, host, s.steps, s.total, s.data, s.compute, s.comm, s.other,
                        facts=facts)  # fmt: skip
 
@@ -100,18 +102,25 @@ def cpu(r: int, share: float, host: str = "node0", steal: float = 0.0, **parts) 
 def test_a_rank_that_sleeps_is_said_to_wait_not_to_compute():
     from ddpkit.launch.speed.verdicts import verdict
 
-    ranks = [
-        cpu(0, 0.9, comm=0.040),
-        cpu(1, 0.1, compute=0.070, comm=0.002),
-        cpu(2, 0.9, comm=0.040),
-    ]
+    # the others wait blocked in gloo (as little CPU as the sleeper): judged on rank 1 alone
+    ranks = [cpu(0, 0.1, comm=0.040), cpu(1, 0.1, compute=0.070, comm=0.002),
+             cpu(2, 0.1, comm=0.040)]  # fmt: skip
     found = find(ranks, 1.2)
+    assert found.part == "wait", "another cause than computing: an episode of its own"
     line = verdict(found, {s.rank: s for s in ranks}, 50)
     assert "computes" not in line
     assert (
-        f"takes {found.own_factor:.2f}x the median rank's own time per step, but its process ran "
-        "10% of a core (others 90%): it waits on something else than computing"
+        f"takes {found.own_factor:.2f}x the median rank's own time per step, but its process "
+        "asked for 10% of a core while its own work took 95% of each step for the last 50 steps"
     ) in line
+    assert "it waits on something else than computing" in line
+
+
+def test_a_rank_starved_of_cpu_still_computes():
+    # a CPU hog on its core: it ran 40% of a core but asked for a whole one (run queue)
+    ranks = [cpu(0, 0.6, comm=0.025), cpu(1, 0.4, demand=1.0, compute=0.045, comm=0.010),
+             cpu(2, 0.6, comm=0.025)]  # fmt: skip
+    assert find(ranks, 1.2).part == "compute"
 
 
 def test_a_computing_rank_gives_the_factor_of_its_own_time_as_the_end_table_does():

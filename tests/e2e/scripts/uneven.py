@@ -5,6 +5,7 @@ DistributedSampler, no ddpkit in it), whose rank 1 is slowed on purpose, in phas
     even          every rank alike
     data          rank 1's dataset sleeps in __getitem__ (its loader is slow)
     compute:F     rank 1's forward does extra matmuls: its compute takes F times as long
+    wait:F        rank 1's forward sleeps as long instead (a lock, a file): as slow, idle
     hold          rank 1 prints `hold` and runs as `even` (a test slows it from outside)
 
 Each phase prints `phase NAME` on rank 0 when it starts. Every step also sleeps --io seconds on
@@ -58,9 +59,12 @@ class Net(nn.Module):
             nn.Linear(args.hidden, 10),
         )  # fmt: skip
         self.extra = 0.0  # seconds of extra work per forward (the compute fault)
+        self.idle = False  # the extra time is spent asleep (the wait fault)
 
     def forward(self, x):
-        if self.extra:
+        if self.extra and self.idle:
+            time.sleep(self.extra)
+        elif self.extra:
             until = time.perf_counter() + self.extra
             w = torch.randn(64, 64)
             while time.perf_counter() < until:
@@ -90,8 +94,9 @@ def main():
                 print(f"phase {args.phases[index]}", flush=True)
             if rank == 1 and name == "hold":
                 print("hold", flush=True)
-            extra = (float(factor) - 1) * statistics(own) if name == "compute" else 0.0
-            net.extra = extra if rank == 1 else 0.0
+            slow = name in ("compute", "wait")
+            extra = (float(factor) - 1) * statistics(own) if slow else 0.0
+            net.extra, net.idle = (extra if rank == 1 else 0.0), name == "wait"
             if rank == 1 and extra:
                 print(f"extra {extra * 1e3:.1f} ms per forward", flush=True)
         t0 = time.perf_counter()

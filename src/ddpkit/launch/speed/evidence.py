@@ -112,6 +112,7 @@ class Host:
         with contextlib.suppress(Exception):
             psutil.cpu_times_percent()
         self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, when)
+        self._demand: dict[int, tuple[float, float]] = {}  # pid -> (run + queued s, when)
 
     def facts(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cores": psutil.cpu_count() or 1}
@@ -141,6 +142,28 @@ class Host:
         if before is None or now <= before[1]:
             return None
         return (used - before[0]) / (now - before[1])
+
+    def cpu_demand(self, pid: int) -> float | None:
+        """Cores the rank's process tree ran on or waited in the run queue for, since the last
+        call (the kernel's schedstat of each thread): what it would have used with the cores
+        to itself. Low demand is a rank that sleeps or blocks; high demand and a low share, a
+        rank starved of CPU."""
+        total = 0.0
+        try:
+            for proc in procs.tree(pid):
+                with contextlib.suppress(OSError, ValueError):
+                    for task in os.scandir(f"/proc/{proc.pid}/task"):
+                        with open(f"{task.path}/schedstat") as f:
+                            run, queued, _ = f.read().split()
+                        total += (int(run) + int(queued)) / 1e9
+        except psutil.Error:
+            return None
+        now = time.monotonic()
+        before = self._demand.get(pid)
+        self._demand[pid] = (total, now)
+        if before is None or now <= before[1] or not total:
+            return None
+        return max(0.0, (total - before[0]) / (now - before[1]))
 
 
 def part_on(cores: set[int], mine: set[int]) -> float:

@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 
 PARTS = ("data", "compute", "host")  # the rank's own time; comm is waiting for the others
+IDLE_SHARE = 0.5  # of the step its 'compute' takes: a CPU rank demanding less of a core waits
 SUSTAIN = 3  # evaluations in a row that start or end an episode
 MIN_EXCESS = 0.05  # of the median step: the smallest excess called a straggler
 MIN_STEPS = 8  # steps in a rank's window before it is judged
@@ -53,7 +54,7 @@ class RankSummary:
 @dataclass(frozen=True)
 class Finding:
     rank: int
-    part: str  # data, compute or host
+    part: str  # data, compute, host, or wait (its compute time spent asleep or blocked)
     factor: float  # the rank's part over the median of the others'
     share: float  # the part's share of the rank's step
     others_share: float  # the same for the median other rank
@@ -76,17 +77,34 @@ def find(summaries: list[RankSummary], threshold: float) -> Finding | None:
         return None
     medians = {p: statistics.median(s.part(p) for s in others) for p in PARTS}
     part = max(PARTS, key=lambda p: slowest.part(p) - medians[p])
-    mine = slowest.part(part)
+    if part == "compute" and idle(slowest):
+        part = "wait"  # its 'compute' time went to sleeping or blocking: another cause
+    mine = slowest.part("compute" if part == "wait" else part)
+    medians["wait"] = medians["compute"]
     return Finding(
         rank=slowest.rank,
         part=part,
         factor=mine / medians[part] if medians[part] > 0 else float("inf"),
         share=mine / slowest.total if slowest.total > 0 else 0.0,
-        others_share=statistics.median(s.part(part) / s.total for s in others if s.total > 0)
+        others_share=statistics.median(
+            s.part("compute" if part == "wait" else part) / s.total for s in others if s.total > 0
+        )
         if any(s.total > 0 for s in others)
         else 0.0,
         own_factor=slowest.own / own_median,
     )
+
+
+def idle(me: RankSummary) -> bool:
+    """A CPU rank whose 'compute' (the rest of its step) was mostly not running nor waiting
+    to run: it asked the kernel for under half a core of that time (a sleep, a lock, a file,
+    a subprocess). Judged on the rank alone (the others may block in gloo, using as little),
+    and from its demand (running or queued), so a rank starved by a CPU hog still computes."""
+    demand = me.facts.get("cpu_demand")
+    if me.facts.get("gpu") or demand is None or me.total <= 0:
+        return False
+    busy = me.compute / me.total
+    return busy >= 0.2 and float(demand) < IDLE_SHARE * busy
 
 
 @dataclass

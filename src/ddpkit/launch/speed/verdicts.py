@@ -21,49 +21,35 @@ def verdict(finding: Finding, summaries: dict[int, RankSummary], window: int) ->
     where = ", ".join(x for x in (me.host, me.gpu) if x)
     others = [s for s in summaries.values() if s.rank != finding.rank]
     own = f"{finding.own_factor:.2f}x its own time per step"
-    idle = finding.part == "compute" and idle_share(me, others)
     if finding.part == "data":
         what = (
             f"waits for data {finding.share:.0%} of each step (others {finding.others_share:.0%})"
         )
         advice = "raise num_workers or check that node's disk"
-    elif idle:
-        share, typical = idle
+    elif finding.part == "wait":
+        demand = float(me.facts.get("cpu_demand") or 0.0)
         what = (
             f"takes {finding.own_factor:.2f}x the median rank's own time per step, but its "
-            f"process ran {share:.0%} of a core (others {typical:.0%}): it waits on something "
-            "else than computing (a sleep, a lock, a file, a subprocess, another machine)"
+            f"process asked for {demand:.0%} of a core while its own work took "
+            f"{finding.share:.0%} of each step"
         )
-        advice = "look at what that rank waits for: `ddpkit stacks` shows where it is"
+        advice = (
+            "it waits on something else than computing (a sleep, a lock, a file, a "
+            "subprocess, another machine): `ddpkit stacks` shows where it is"
+        )
     elif finding.part == "compute":
         what = f"computes {finding.factor:.2f}x the median rank ({own})"
         advice = ""
     else:
         what = f"spends {finding.factor:.2f}x the median rank's host time outside the GPU ({own})"
         advice = "the host cannot feed its GPU: check that node's CPU load"
-    facts, fix = evidence_words(me, others, finding.part, cpu_said=bool(idle))
+    facts, fix = evidence_words(me, others, finding.part, cpu_said=finding.part == "wait")
     advice = fix or advice
     line = f"straggler: rank {finding.rank} ({where}) {what} for the last {me.steps} steps"
     if facts:
         line += f": {facts}"
     line += "; the job runs at its pace"
     return line + (f"; {advice}" if advice else "")
-
-
-IDLE_SHARE = 0.5  # a CPU rank running under half the others' share of a core is not computing
-
-
-def idle_share(me: RankSummary, others: list[RankSummary]) -> tuple[float, float] | None:
-    """(its share of a core, the others' median) when a CPU rank slow to 'compute' ran far
-    less than the others: its time went to waiting, not to its own work."""
-    share = me.facts.get("cpu_share")
-    shares = [float(x) for o in others if (x := o.facts.get("cpu_share")) is not None]
-    if me.facts.get("gpu") or share is None or not shares:
-        return None
-    typical = statistics.median(shares)
-    if typical >= 0.2 and float(share) < IDLE_SHARE * typical:
-        return float(share), typical
-    return None
 
 
 def evidence_words(

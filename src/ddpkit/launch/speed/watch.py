@@ -145,6 +145,9 @@ class SpeedWatch:
         share = self.hostinfo.cpu_share(track.pid)
         if share is not None:
             facts["cpu_share"] = share
+        demand = self.hostinfo.cpu_demand(track.pid)
+        if demand is not None:
+            facts["cpu_demand"] = demand
         if track.gpu:
             facts["gpu"] = self.gpus.facts(track.gpu, job)
         return facts
@@ -226,7 +229,7 @@ class SpeedWatch:
         """A local rank slow on the CPU: the processes busy on its cores, as evidence."""
         track = self.tracks.get(finding.rank)
         me = self.summaries.get(finding.rank)
-        if track is None or me is None or track.gpu or finding.part == "data":
+        if track is None or me is None or track.gpu or finding.part != "compute":
             return
         busy = evidence.competitors(track.pid, self._job_pids())
         if busy:
