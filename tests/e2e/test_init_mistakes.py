@@ -7,7 +7,9 @@ once, so two jobs at once do not clash; an init that never completes is bounded 
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import time
 
 import pytest
@@ -81,4 +83,20 @@ def test_an_init_that_never_completes_is_bounded_by_the_init_timeout(tmp_path):
     ), job.stderr
     assert "rank 0 waits in init_process_group at tutorial_setup.py:26" in job.stderr
     assert "a script's own store or init_method='file://...' must be the same" in job.stderr
+    assert not job.survivors()
+
+
+def test_a_port_the_script_takes_that_is_in_use_names_its_holder_and_the_fix(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        job = start(["-n", "2", "--grace", "1", str(SCRIPTS / "own_store.py"), str(port)], tmp_path)
+        assert job.finish(bound(60)) == 1, job.stderr
+    finally:
+        holder.close()
+    assert "EADDRINUSE" in root_cause(job)
+    assert f"fix: port {port} is held by pid {os.getpid()} (" in job.stderr
+    assert "let ddpkit run choose the port" in job.stderr
     assert not job.survivors()

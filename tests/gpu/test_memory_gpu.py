@@ -78,6 +78,26 @@ def test_memory_that_grew_every_step_is_the_root_cause_of_the_oom_on_the_gpu(tmp
     assert not job.survivors()
 
 
+def test_a_gpt_outgrowing_its_gpu_gets_only_fixes_that_free_what_it_asked(tmp_path):
+    # issue 35: nanoGPT's GPT at a growing batch under a 5.59 GiB cap was offered sharding its
+    # 474 MiB of parameters, which cannot free what the step asked
+    gpt = str(Path(__file__).parent / "scripts" / "gpt_grows.py")
+    job = start(["-n", "1", gpt], tmp_path)
+    assert job.finish(240) == 1, job.stderr
+    batch = int(re.findall(r"batch (\d+)", job.stdout)[-1])
+    cause = re.search(r"root cause: (.*)", job.stderr).group(1)
+    fix = re.search(r"fix: (.*)", job.stderr).group(1)
+    print(f"\nbatch {batch}\nverdict: {cause}\nfix: {fix}")
+    assert cause.startswith("rank 0 ran out of GPU memory at "), cause
+    assert "parameters " in cause
+    assert not fix.startswith("no single change"), fix
+    offered = fix.split("; or ")
+    assert all("frees about" in f or "frees the" in f for f in offered), fix
+    assert f"the failing forward's batch of {batch}" in fix, "the batch read from model(X)"
+    assert "activation checkpointing of the model's 12 blocks" in fix
+    assert not job.survivors()
+
+
 def test_memory_snapshot_leaves_the_history_and_a_plot_in_the_run_folder(tmp_path):
     job = start(["-n", "1", "--memory-snapshot", SCRIPT, "oom"], tmp_path)
     assert job.finish(240) == 1, job.stderr
