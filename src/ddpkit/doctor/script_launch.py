@@ -39,19 +39,19 @@ def scan(tree: ast.Module, at: Callable[[ast.AST], str]) -> list[Finding]:
 def _world_size(tree, calls, text_of, at) -> list[Finding]:
     literal: dict[str, int] = {}  # names bound to an int literal: world_size = 4
     for node in ast.walk(tree):
-        value = node.value if isinstance(node, ast.Assign) else None
-        if isinstance(value, ast.Constant) and type(value.value) is int:
+        bound = node.value if isinstance(node, ast.Assign) else None
+        if isinstance(bound, ast.Constant) and type(bound.value) is int:
             for target in node.targets:  # type: ignore[attr-defined]
                 if isinstance(target, ast.Name):
-                    literal[target.id] = value.value
-    found = []
+                    literal[target.id] = bound.value
+    found: list[Finding] = []
     for call in calls:
         if not text_of[id(call)].endswith("init_process_group"):
             continue
         given = next((k.value for k in call.keywords if k.arg == "world_size"), None)
         if given is None and len(call.args) > 3:
             given = call.args[3]
-        value = None
+        value: int | None = None
         if isinstance(given, ast.Constant) and isinstance(given.value, int):
             value = given.value
         elif isinstance(given, ast.Name) and given.id in literal:

@@ -95,7 +95,7 @@ def record_errors() -> None:
         ours = isinstance(value, DdpkitError)
         fix = value.fix if isinstance(value, DdpkitError) else fix_for(value, tb)
         write_error(kind.__name__, str(value), trace, fix=fix, whole=ours)
-        if framed and ours:
+        if framed and isinstance(value, DdpkitError):
             log_only(value.render() + "\n")
         elif framed and waited_for_a_peer(str(value)):
             log_only(trace)

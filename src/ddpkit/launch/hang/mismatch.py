@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +44,12 @@ def find(calls: list[Call]) -> Mismatch | None:
     if len(calls) < 2:
         return None
     kind = ""
+    key: Callable[[Call], tuple[object, ...]] = lambda c: (c.op,)  # noqa: E731
     if len({c.op for c in calls}) > 1:
-        kind, key = "different collectives", (lambda c: (c.op,))
+        kind = "different collectives"
     elif len({c.shapes for c in calls if c.shapes}) > 1 and all(c.shapes for c in calls):
-        kind, key = f"{calls[0].op} with different shapes", (lambda c: (c.op, c.shapes))
+        kind = f"{calls[0].op} with different shapes"
+        key = lambda c: (c.op, c.shapes)  # noqa: E731
     elif len({c.seq for c in calls}) > 1 and all(c.seq is not None for c in calls):
         kind = f"different numbers of collectives (each waits in another {calls[0].op})"
         key = lambda c: (c.op, c.seq)  # noqa: E731

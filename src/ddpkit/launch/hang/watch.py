@@ -113,7 +113,7 @@ class HangWatch:
             moved = io - state.io if state.io >= 0 else 0
             prompt = record is not None and record.prompt and w.exit_code is None
             if prompt:  # a person is debugging this rank: the job waits for them, not hung
-                self._say_prompt(w.rank, record, state)
+                self._say_prompt(w.rank, state)
             state.said_prompt = state.said_prompt and prompt
             if advanced or busy or prompt:
                 state.last_progress = state.last_compute = now
@@ -167,7 +167,7 @@ class HangWatch:
                 f"read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
             )
 
-    def _say_prompt(self, rank: int, record: protocol.Record, state: RankState) -> None:
+    def _say_prompt(self, rank: int, state: RankState) -> None:
         if state.said_prompt:
             return
         state.said_prompt = True
