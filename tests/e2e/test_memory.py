@@ -45,9 +45,12 @@ def test_memory_that_grows_every_step_is_said_then_named_as_the_cause_of_the_oom
     assert not [line for line in job.err if re.search(r"memory: rank [02]", line)], job.stderr
     assert any("memory: rank 1's peak" in line for line in job.err), job.stderr
     cause = re.search(r"root cause: (.*)", job.stderr).group(1)
-    assert cause.startswith(
-        "rank 1 ran out of host memory at memory_faults.py:36 in <module> after its memory grew "
-        "step after step ("
+    # where the allocator failed is wherever the next allocation came (the leak's own line,
+    # or inside backward under load): the cause is the growth either way
+    assert re.match(
+        r"rank 1 ran out of host memory at memory_faults\.py:\d+ in <module> after its memory "
+        r"grew step after step \(",
+        cause,
     ), cause
     assert "the host's address-space limit (RLIMIT_AS: ulimit -v)" in cause
     assert "fix: find what keeps memory every step" in job.stderr

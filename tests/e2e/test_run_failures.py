@@ -39,6 +39,25 @@ def test_the_root_cause_is_the_rank_that_failed_first_not_its_victim(tmp_path):
     )
     report = (job.log_dir / job.run_id / "report.txt").read_text()
     assert "planted failure in rank 1" in report
+    # the victim's own traceback is in its log, one line of it on the console
+    victim = [line for line in job.err if line.startswith("[rank 0] ")]
+    if victim:  # rank 0 may be stopped before its connection error is raised
+        assert len(victim) == 1, job.stderr
+        assert "(this rank waited for a peer; the report names the rank at fault" in victim[0]
+        log = (job.log_dir / job.run_id / "rank0.log").read_text()
+        assert "Traceback (most recent call last)" in log
+    assert "[rank 0] Traceback" not in job.stderr
+    assert not job.survivors()
+
+
+def test_a_distributed_sampler_without_set_epoch_is_said_once(tmp_path):
+    job = start(["-n", "2", str(SCRIPTS / "no_set_epoch.py")], tmp_path)
+    assert job.finish(bound(60)) == 0, job.stderr
+    said = [line for line in job.err if "set_epoch(epoch) is never called" in line]
+    assert len(said) == 1, job.stderr
+    assert said[0].startswith(
+        "[rank 0] ddpkit: a DistributedSampler starts another pass at epoch 0"
+    )
     assert not job.survivors()
 
 

@@ -138,6 +138,7 @@ def test_the_slowed_rank_is_named_with_its_cause_an_even_phase_with_none_and_top
     if phases.index(first_fault) < len(phases) - 1 and phases[-1] != "even":
         assert "rank 1 is back at the job's pace" in job.stderr
     assert not [v for v in said if "rank 1" not in v], "only rank 1 was slowed"
+    assert "set_epoch(epoch) is never called" not in job.stderr, "it calls set_epoch"
     assert time.monotonic() - began < bound(200)
     assert "step times per rank" in job.stderr
     assert (job.log_dir / job.run_id / "steps.png").stat().st_size > 1000, "matplotlib: a plot"

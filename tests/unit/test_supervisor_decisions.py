@@ -153,3 +153,32 @@ def test_a_wait_gives_up_at_once_on_a_stop_signal():
     signals = Signals(count=1, last=signal.SIGTERM)
     waited = Wait(lambda: "SIGTERM" if signals.count else None).until(lambda: False, 30)
     assert (waited.done, waited.why) == (False, "SIGTERM")
+
+
+def test_every_rank_inside_init_past_the_init_timeout_is_a_verdict_too(tmp_path):
+    # issue 35: the ranks all came, and init never completed (a store of the script's own)
+    began = time.time() - 10
+    for rank in (0, 1):
+        protocol.state_path(tmp_path, rank, protocol.PHASE).write_text(f"init {began}\n")
+    workers = [worker(0), worker(1)]
+    said = observe.missing_at_init(workers, tmp_path, timeout=5)
+    assert said.startswith("init_process_group did not complete: ranks 0,1 waited 10 s in it")
+    assert observe.missing_at_init(workers, tmp_path, timeout=60) is None, "not yet"
+
+
+def test_ranks_that_failed_the_same_way_at_once_are_named_by_the_lowest(tmp_path):
+    now = time.time()
+    error(tmp_path, 1, "world_size=4 but this is rank 1", now - 1.0, kind="InitMismatchError")
+    error(tmp_path, 0, "world_size=4 but this is rank 0", now - 0.8, kind="InitMismatchError")
+    outcome = report.Outcome.rank_failed([worker(0, 1), worker(1, 1)], tmp_path)
+    assert outcome.root_rank == 0, "the same error within a second: the lowest rank names it"
+
+
+def test_a_victims_one_line_is_its_errors_first_sentence_without_cpp_file():
+    from ddpkit.rank.failure import first_sentence
+
+    message = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:20380. This is typically caused by a remote worker crashing."
+    )
+    assert first_sentence(message) == "Connection closed by peer [127.0.0.1]:20380."

@@ -27,6 +27,14 @@ _UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
           "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}  # fmt: skip
 
 
+HOST_OOM_WORDS = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+    "MemoryError",  # raised in an autograd or DDP callback and wrapped in a RuntimeError
+    "std::bad_alloc",
+)
+
+
 def is_out_of_memory(error: BaseException) -> str | None:
     """'cuda' or 'cpu' for an allocator's failure, else None."""
     torch = sys.modules.get("torch")
@@ -34,11 +42,10 @@ def is_out_of_memory(error: BaseException) -> str | None:
     message = str(error)
     if (oom_type is not None and isinstance(error, oom_type)) or "CUDA out of memory" in message:
         return "cuda"
-    if isinstance(error, RuntimeError | MemoryError) and (
-        "DefaultCPUAllocator: can't allocate memory" in message
-        or "DefaultCPUAllocator: not enough memory" in message
+    if isinstance(error, RuntimeError | MemoryError) and any(
+        words in message for words in HOST_OOM_WORDS
     ):
-        return "cpu"
+        return "cpu"  # the CPU allocator's own words, or a MemoryError torch wrapped
     if isinstance(error, MemoryError):
         return "cpu"
     return None
