@@ -131,9 +131,9 @@ def test_the_slowed_rank_is_named_with_its_cause_an_even_phase_with_none_and_top
         # within 1.5x of the fault's own 1.5 (a mixed-up part or unit would be far outside)
         assert 1.2 <= factors[0] <= 1.5 * 1.5, f"factor {factors[0]} for a 1.5x fault\n{said}"
     if "wait:2" in phases:  # asleep, not computing: said so, from its own CPU use
-        waits = [v for v in said if "it waits on something else than computing" in v]
+        waits = [v for v in said if "its extra time is not spent computing" in v]
         assert waits, job.stderr
-        assert "but its process asked for" in waits[0]
+        assert "but its main thread asked for" in waits[0]
         assert "computes" not in waits[0]
     if phases.index(first_fault) < len(phases) - 1 and phases[-1] != "even":
         assert "rank 1 is back at the job's pace" in job.stderr

@@ -110,10 +110,11 @@ def test_a_rank_that_sleeps_is_said_to_wait_not_to_compute():
     line = verdict(found, {s.rank: s for s in ranks}, 50)
     assert "computes" not in line
     assert (
-        f"takes {found.own_factor:.2f}x the median rank's own time per step, but its process "
-        "asked for 10% of a core while its own work took 95% of each step for the last 50 steps"
+        f"takes {found.own_factor:.2f}x the median rank's own time per step, but its main "
+        "thread asked for 10% of a core (others 10%): its extra time is not spent computing "
+        "for the last 50 steps"
     ) in line
-    assert "it waits on something else than computing" in line
+    assert "it waits on something else (a sleep, a lock" in line
 
 
 def test_a_rank_starved_of_cpu_still_computes():

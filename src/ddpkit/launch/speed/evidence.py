@@ -144,24 +144,21 @@ class Host:
         return (used - before[0]) / (now - before[1])
 
     def cpu_demand(self, pid: int) -> float | None:
-        """Cores the rank's process tree ran on or waited in the run queue for, since the last
-        call (the kernel's schedstat of each thread): what it would have used with the cores
-        to itself. Low demand is a rank that sleeps or blocks; high demand and a low share, a
-        rank starved of CPU."""
-        total = 0.0
+        """Cores the rank's main thread (the one running the script) ran on or waited in the
+        run queue for, since the last call (the kernel's schedstat): what it would have used
+        with a core to itself. Low demand is a thread that sleeps or blocks; high demand and
+        a low share, one starved of CPU. The rank's other threads (gloo's, ddpkit's own, a
+        spinning OpenMP pool) are left out: they are not the script's work."""
         try:
-            for proc in procs.tree(pid):
-                with contextlib.suppress(OSError, ValueError):
-                    for task in os.scandir(f"/proc/{proc.pid}/task"):
-                        with open(f"{task.path}/schedstat") as f:
-                            run, queued, _ = f.read().split()
-                        total += (int(run) + int(queued)) / 1e9
-        except psutil.Error:
+            with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+                run, queued, _ = f.read().split()
+        except (OSError, ValueError):
             return None
+        total = (int(run) + int(queued)) / 1e9
         now = time.monotonic()
         before = self._demand.get(pid)
         self._demand[pid] = (total, now)
-        if before is None or now <= before[1] or not total:
+        if before is None or now <= before[1]:
             return None
         return max(0.0, (total - before[0]) / (now - before[1]))
 

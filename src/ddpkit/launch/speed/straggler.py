@@ -77,7 +77,7 @@ def find(summaries: list[RankSummary], threshold: float) -> Finding | None:
         return None
     medians = {p: statistics.median(s.part(p) for s in others) for p in PARTS}
     part = max(PARTS, key=lambda p: slowest.part(p) - medians[p])
-    if part == "compute" and idle(slowest):
+    if part == "compute" and idle(slowest, others):
         part = "wait"  # its 'compute' time went to sleeping or blocking: another cause
     mine = slowest.part("compute" if part == "wait" else part)
     medians["wait"] = medians["compute"]
@@ -95,16 +95,19 @@ def find(summaries: list[RankSummary], threshold: float) -> Finding | None:
     )
 
 
-def idle(me: RankSummary) -> bool:
-    """A CPU rank whose 'compute' (the rest of its step) was mostly not running nor waiting
-    to run: it asked the kernel for under half a core of that time (a sleep, a lock, a file,
-    a subprocess). Judged on the rank alone (the others may block in gloo, using as little),
-    and from its demand (running or queued), so a rank starved by a CPU hog still computes."""
+def idle(me: RankSummary, others: list[RankSummary]) -> bool:
+    """A CPU rank whose extra 'compute' (the rest of its step, over the other ranks') was not
+    spent computing: its main thread asked the kernel (running, or queued to run) for less
+    than half of that extra time beyond what the others' main threads asked for (a sleep, a
+    lock, a file, a subprocess). Compared with the others, since every rank's 'compute' may
+    hold sleeps of its own (a loop that waits on a file each step); from demand, not CPU
+    used, so a rank starved by a CPU hog or a loaded machine still computes."""
     demand = me.facts.get("cpu_demand")
-    if me.facts.get("gpu") or demand is None or me.total <= 0:
+    theirs = [float(d) for o in others if (d := o.facts.get("cpu_demand")) is not None]
+    if me.facts.get("gpu") or demand is None or not theirs or me.total <= 0:
         return False
-    busy = me.compute / me.total
-    return busy >= 0.2 and float(demand) < IDLE_SHARE * busy
+    extra = (me.compute - statistics.median(o.compute for o in others)) / me.total
+    return extra >= 0.1 and float(demand) - statistics.median(theirs) < IDLE_SHARE * extra
 
 
 @dataclass

@@ -28,14 +28,16 @@ def verdict(finding: Finding, summaries: dict[int, RankSummary], window: int) ->
         advice = "raise num_workers or check that node's disk"
     elif finding.part == "wait":
         demand = float(me.facts.get("cpu_demand") or 0.0)
+        theirs = [float(d) for o in others if (d := o.facts.get("cpu_demand")) is not None]
+        typical = statistics.median(theirs) if theirs else 0.0
         what = (
             f"takes {finding.own_factor:.2f}x the median rank's own time per step, but its "
-            f"process asked for {demand:.0%} of a core while its own work took "
-            f"{finding.share:.0%} of each step"
+            f"main thread asked for {demand:.0%} of a core (others {typical:.0%}): its extra "
+            "time is not spent computing"
         )
         advice = (
-            "it waits on something else than computing (a sleep, a lock, a file, a "
-            "subprocess, another machine): `ddpkit stacks` shows where it is"
+            "it waits on something else (a sleep, a lock, a file, a subprocess, another "
+            "machine): `ddpkit stacks` shows where it is"
         )
     elif finding.part == "compute":
         what = f"computes {finding.factor:.2f}x the median rank ({own})"
