@@ -31,15 +31,23 @@ def test_a_world_size_written_in_the_script_fails_at_once_with_the_fix(tmp_path)
     job = start(["-n", "2", "--init-timeout", "20", SCRIPT, "world", "4"], tmp_path)
     assert job.finish(bound(60)) == 1, job.stderr
     assert time.monotonic() - began < bound(19), "not a wait for --init-timeout"
-    assert root_cause(job).startswith(
-        "rank 0 exited with code 1 (InitMismatchError: init_process_group(world_size=4) at "
-        "tutorial_setup.py:28, but ddpkit run started 2 rank(s); this is rank 0: the job would "
-        "wait at init for ranks that do not exist) at tutorial_setup.py:28 in ddp_setup"
+    # whichever rank reaches init first names it (the other may still be importing torch on a
+    # loaded machine, and is then stopped before it gets there)
+    cause = root_cause(job)
+    assert re.match(
+        r"rank ([01]) exited with code 1 \(InitMismatchError: init_process_group\(world_size=4\) "
+        r"at tutorial_setup\.py:28, but ddpkit run started 2 rank\(s\); this is rank \1: the "
+        r"job would wait at init for ranks that do not exist\) at tutorial_setup\.py:28 in "
+        r"ddp_setup",
+        cause,
     ), job.stderr
     assert "fix: leave world_size out of init_process_group" in job.stderr
     assert "to run 4 ranks: ddpkit run -n 4" in job.stderr
-    assert "other ranks: 1 failed the same way (InitMismatchError)" in job.stderr
-    assert "[rank 1] error:" not in job.stderr, "said once, in the report"
+    assert re.search(
+        r"other ranks: [01] (failed the same way \(InitMismatchError\)|stopped by ddpkit)",
+        job.stderr,
+    ), job.stderr
+    assert "] error:" not in job.stderr, "said once, in the report"
     assert not job.survivors()
 
 
