@@ -86,9 +86,13 @@ def test_an_init_that_never_completes_is_bounded_by_the_init_timeout(tmp_path):
     job = start(["-n", "2", "--init-timeout", "6", SCRIPT, "file"], tmp_path)
     assert job.finish(bound(60)) == 1, job.stderr
     assert time.monotonic() - began < bound(40)
-    assert root_cause(job).startswith(
-        "init_process_group did not complete: ranks 0,1 waited 6 s in it (--init-timeout 6)"
-    ), job.stderr
+    # the wait is said as measured: at least the timeout, a poll or two more under load
+    waited = re.match(
+        r"init_process_group did not complete: ranks 0,1 waited (\d+) s in it "
+        r"\(--init-timeout 6\)",
+        root_cause(job),
+    )
+    assert waited and 6 <= int(waited[1]) <= 12, job.stderr
     assert "rank 0 waits in init_process_group at tutorial_setup.py:26" in job.stderr
     assert "a script's own store or init_method='file://...' must be the same" in job.stderr
     assert not job.survivors()
