@@ -92,7 +92,8 @@ def test_an_init_that_never_completes_is_bounded_by_the_init_timeout(tmp_path):
         r"\(--init-timeout 6\)",
         root_cause(job),
     )
-    assert waited and 6 <= int(waited[1]) <= 12, job.stderr
+    assert waited, job.stderr
+    assert 6 <= int(waited[1]) <= 12, job.stderr
     assert "rank 0 waits in init_process_group at tutorial_setup.py:26" in job.stderr
     assert "a script's own store or init_method='file://...' must be the same" in job.stderr
     assert not job.survivors()
