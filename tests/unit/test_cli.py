@@ -99,6 +99,8 @@ def test_run_flags_are_pinned():
             "--init_timeout",
             "--log-dir",
             "--log_dir",
+            "--log-level",
+            "--log_level",
             "--ranks",
             "--run-id",
             "--run_id",

@@ -124,7 +124,7 @@ def test_a_node_that_finished_is_not_lost_when_its_beats_stop(server):
 def test_a_forged_abort_record_is_ignored_and_said_once(server, monkeypatch, capsys):
     from ddpkit.cli import _log_to_stderr
 
-    _log_to_stderr(debug=False)  # as the CLI sets ddpkit's loggers up
+    _log_to_stderr("warning")  # as the CLI sets ddpkit's loggers up
     monkeypatch.setenv("DDPKIT_JOB_TOKEN", "s3cret")
     forged = '{"abort": "{\\"node\\": 0, \\"why\\": \\"x\\", \\"code\\": 1, \\"restart\\": false}"}'
     BoundedStore("127.0.0.1", server.port, TIMEOUT, "job/").set("abort", forged)

@@ -15,12 +15,8 @@ from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.peers.peers import NodePeers, wait_for_word
 from ddpkit.launch.wait import Wait
-from ddpkit.launch.workers import Signals, Worker
-
-
-def worker(rank: int, exit_code: int | None = None, ended: float = 0.0) -> Worker:
-    # the decisions read rank, exit code and end time; no process is needed for them
-    return Worker(rank=rank, proc=None, output=None, exit_code=exit_code, ended_wall=ended)
+from ddpkit.launch.worker import Signals
+from tests.unit.snapshots import look, worker
 
 
 def error(state, rank: int, message: str, at: float, kind: str = "RuntimeError", code=None):
@@ -31,7 +27,7 @@ def test_the_root_cause_is_the_first_error_that_is_not_a_lost_peer(tmp_path):
     now = time.time()
     error(tmp_path, 0, "Connection reset by peer", now - 2)  # earlier, but a victim's words
     error(tmp_path, 1, "shapes differ", now - 1, kind="ValueError")
-    outcome = report.Outcome.rank_failed([worker(0, 1), worker(1, 1)], tmp_path)
+    outcome = report.Outcome.rank_failed(look(tmp_path, [worker(0, 1), worker(1, 1)]))
     assert outcome.root_rank == 1
     assert outcome.summary.startswith("rank 1 ")
     assert "(ValueError: shapes differ)" in outcome.summary
@@ -42,7 +38,7 @@ def test_when_every_failed_rank_lost_a_peer_the_cause_may_be_elsewhere(tmp_path)
     now = time.time()
     error(tmp_path, 0, "Connection closed by peer", now - 1)
     error(tmp_path, 1, "Connection reset by peer", now - 2)
-    outcome = report.Outcome.rank_failed([worker(0, 1), worker(1, 1)], tmp_path)
+    outcome = report.Outcome.rank_failed(look(tmp_path, [worker(0, 1), worker(1, 1)]))
     assert outcome.victim
     assert outcome.root_rank == 1, "the earliest of the victims"
 
@@ -50,7 +46,7 @@ def test_when_every_failed_rank_lost_a_peer_the_cause_may_be_elsewhere(tmp_path)
 def test_a_rank_without_an_error_record_is_placed_by_when_it_ended(tmp_path):
     now = time.time()
     outcome = report.Outcome.rank_failed(
-        [worker(0, -signal.SIGKILL, now - 1), worker(1, 3, now - 5)], tmp_path
+        look(tmp_path, [worker(0, -signal.SIGKILL, now - 1), worker(1, 3, now - 5)])
     )
     assert outcome.root_rank == 1
     assert outcome.exit_code == 3
@@ -61,8 +57,8 @@ def test_ranks_that_never_reached_init_are_named_once_the_others_waited_the_time
     protocol.state_path(tmp_path, 0, protocol.PHASE).write_text(f"init {began:.3f}\n")
     protocol.write_phase(tmp_path, 1, "started")
     workers = [worker(0), worker(1), worker(2)]  # rank 2 wrote nothing yet
-    assert observe.missing_at_init(workers, tmp_path, timeout=60) is None
-    verdict = observe.missing_at_init(workers, tmp_path, timeout=5)
+    assert observe.missing_at_init(look(tmp_path, workers), timeout=60) is None
+    verdict = observe.missing_at_init(look(tmp_path, workers), timeout=5)
     assert verdict == (
         "rank 1,2 never reached init_process_group; rank 0 waited 10 s for it (--init-timeout 5)"
     )
@@ -71,7 +67,7 @@ def test_ranks_that_never_reached_init_are_named_once_the_others_waited_the_time
 def test_no_init_verdict_while_no_rank_waits_in_init(tmp_path):
     protocol.write_phase(tmp_path, 0, "ready")
     protocol.write_phase(tmp_path, 1, "started")
-    assert observe.missing_at_init([worker(0), worker(1)], tmp_path, timeout=0) is None
+    assert observe.missing_at_init(look(tmp_path, [worker(0), worker(1)]), timeout=0) is None
 
 
 def test_a_rank_stuck_after_its_error_counts_as_failed_with_the_code_it_chose(tmp_path):
@@ -82,9 +78,11 @@ def test_a_rank_stuck_after_its_error_counts_as_failed_with_the_code_it_chose(tm
     written = time.time() - observe.ERROR_EXIT_WAIT - 1
     os.utime(old, (written, written))
     workers = [worker(0), worker(1), worker(2, exit_code=0)]
-    stuck = observe.errored(workers, tmp_path)
-    assert [w.rank for w in stuck] == [0], f"{fresh.name} was written just now"
+    snap = look(tmp_path, workers)
+    assert observe.failed(snap) == (0,), f"{fresh.name} was written just now"
+    assert observe.mark_stuck(workers, snap)
     assert workers[0].exit_code == 7
+    assert workers[1].exit_code is None
 
 
 def in_collective(state, rank: int) -> None:
@@ -97,21 +95,21 @@ def test_a_rank_still_in_a_collective_has_not_landed_while_every_failed_rank_los
     error(tmp_path, 2, "Connection closed by peer", time.time())
     in_collective(tmp_path, 1)  # it lost the same peer, and is slower to say so
     workers = [worker(0, exit_code=0), worker(1), worker(2, exit_code=1)]
-    assert not observe.settled(workers, tmp_path)
+    assert not observe.settled(look(tmp_path, workers))
     workers[1].exit_code = 1
-    assert observe.settled(workers, tmp_path)
+    assert observe.settled(look(tmp_path, workers))
 
 
 def test_a_rank_that_failed_for_itself_settles_at_once(tmp_path):
     error(tmp_path, 2, "shapes differ", time.time(), kind="ValueError")
     in_collective(tmp_path, 1)  # waits for rank 2, which will never come
-    assert observe.settled([worker(0), worker(1), worker(2, exit_code=1)], tmp_path)
+    assert observe.settled(look(tmp_path, [worker(0), worker(1), worker(2, exit_code=1)]))
 
 
 def test_a_live_rank_outside_any_collective_is_not_waited_for(tmp_path):
     error(tmp_path, 2, "Timed out waiting 6000ms", time.time())
     protocol.RecordWriter(protocol.state_path(tmp_path, 1, protocol.PROGRESS))  # evaluating
-    assert observe.settled([worker(0), worker(1), worker(2, exit_code=1)], tmp_path)
+    assert observe.settled(look(tmp_path, [worker(0), worker(1), worker(2, exit_code=1)]))
 
 
 def test_a_victim_node_hears_the_other_nodes_word():
@@ -161,16 +159,16 @@ def test_every_rank_inside_init_past_the_init_timeout_is_a_verdict_too(tmp_path)
     for rank in (0, 1):
         protocol.state_path(tmp_path, rank, protocol.PHASE).write_text(f"init {began}\n")
     workers = [worker(0), worker(1)]
-    said = observe.missing_at_init(workers, tmp_path, timeout=5)
+    said = observe.missing_at_init(look(tmp_path, workers), timeout=5)
     assert said.startswith("init_process_group did not complete: ranks 0,1 waited 10 s in it")
-    assert observe.missing_at_init(workers, tmp_path, timeout=60) is None, "not yet"
+    assert observe.missing_at_init(look(tmp_path, workers), timeout=60) is None, "not yet"
 
 
 def test_ranks_that_failed_the_same_way_at_once_are_named_by_the_lowest(tmp_path):
     now = time.time()
     error(tmp_path, 1, "world_size=4 but this is rank 1", now - 1.0, kind="InitMismatchError")
     error(tmp_path, 0, "world_size=4 but this is rank 0", now - 0.8, kind="InitMismatchError")
-    outcome = report.Outcome.rank_failed([worker(0, 1), worker(1, 1)], tmp_path)
+    outcome = report.Outcome.rank_failed(look(tmp_path, [worker(0, 1), worker(1, 1)]))
     assert outcome.root_rank == 0, "the same error within a second: the lowest rank names it"
 
 

@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument(
+        "--log-level",
+        dest="global_log_level",
+        metavar="LEVEL",
+        help="ddpkit's own log on stderr: debug, info, warning (default), error; also "
+        "DDPKIT_LOG_LEVEL",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(f"ddpkit.cli.{name}").add_parser(sub)
@@ -78,7 +85,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.debug:
         os.environ["DDPKIT_DEBUG"] = "1"
-    _log_to_stderr(debug_enabled())
+    level = getattr(args, "log_level", None) or args.global_log_level
+    level = level or os.environ.get("DDPKIT_LOG_LEVEL") or ""
+    if level.lower() not in ("", *LOG_LEVELS):
+        print(
+            f"error: --log-level {level} is not a level\n"
+            f"fix: one of {', '.join(LOG_LEVELS)} (DDPKIT_LOG_LEVEL takes the same)",
+            file=sys.stderr,
+        )
+        return 2
+    _log_to_stderr("debug" if debug_enabled() else level.lower() or "warning")
     try:
         return int(args.handler(args))
     except DdpkitError as err:
@@ -94,19 +110,39 @@ class _Said(logging.Formatter):
     """'ddpkit: warning: ...', as the rest of ddpkit's own lines on stderr read."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"ddpkit: {record.levelname.lower()}: {record.getMessage()}"
+        where = record.name.removeprefix("ddpkit.")
+        if record.levelno >= logging.WARNING:
+            return f"ddpkit: {record.levelname.lower()}: {record.getMessage()}"
+        return f"ddpkit: {record.levelname.lower()} [{where}]: {record.getMessage()}"
 
 
-def _log_to_stderr(debug: bool) -> None:
-    """The one place handlers are configured: ddpkit's loggers (`ddpkit.<module>`) to stderr,
-    warnings and above (everything with --debug)."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _ToConsole(logging.Handler):
+    """Log lines go through the launcher's console (ddpkit.launch.output) once it is in use,
+    so they never cut a rank's line or a debugger's prompt; before, to stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = self.format(record)
+        console = sys.modules.get("ddpkit.launch.output")
+        if console is not None:
+            console.CONSOLE.say(text)  # type: ignore[attr-defined]
+            return
+        with contextlib.suppress(OSError, ValueError):
+            print(text, file=sys.stderr, flush=True)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The one place handlers are configured: ddpkit's loggers (`ddpkit.<module>`) to stderr
+    at `level` (--log-level, DDPKIT_LOG_LEVEL; everything with --debug)."""
     root = logging.getLogger("ddpkit")
     if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _ToConsole()
         handler.setFormatter(_Said())
         root.addHandler(handler)
         root.propagate = False
-    root.setLevel(logging.DEBUG if debug else logging.WARNING)
+    root.setLevel(getattr(logging, level.upper()))
 
 
 def entry() -> NoReturn:

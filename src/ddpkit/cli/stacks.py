@@ -7,7 +7,6 @@ import argparse
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,21 +23,19 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.common import protocol
     from ddpkit.common.procs import job_workers
     from ddpkit.launch.hang import places
+    from ddpkit.launch.snapshot import Reader
 
     _, mine = job_workers(args.job, "stacks")
-    by_dir: dict[str, list[SimpleNamespace]] = {}
+    by_dir: dict[str, dict[int, int]] = {}
     for p in mine:
         state_dir = psutil.Process(p.pid).environ().get(protocol.STATE_DIR)
         if state_dir is None:
             print(f"rank {p.rank} (pid {p.pid}) was not started by ddpkit run: " + _py_spy(p.pid))
             continue
-        by_dir.setdefault(state_dir, []).append(
-            SimpleNamespace(rank=int(p.rank), proc=SimpleNamespace(pid=p.pid), exit_code=None)
-        )
-    for state_dir, ranks in by_dir.items():
-        line, details = places.describe(
-            sorted(ranks, key=lambda r: r.rank), Path(state_dir), stall=0, hung=False
-        )
+        by_dir.setdefault(state_dir, {})[int(p.rank)] = p.pid
+    for state_dir, pids in by_dir.items():
+        snap = Reader(Path(state_dir)).look_at(pids)
+        line, details = places.describe(snap, stall=0, hung=False)
         print(line)
         print(details)
         print(f"full dumps: {state_dir}/rank*.stacks")

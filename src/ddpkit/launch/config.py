@@ -85,6 +85,11 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
         "median rank's is named as a straggler; 0 turns the verdicts off",
     ),
     "straggler-window": ("50", "steps of each rank a straggler verdict looks at"),
+    "log-level": (
+        "warning",
+        "the launcher's own log on stderr (ddpkit.<module>): debug shows each decision as it "
+        "is made (phases, actions, verdicts); info, warning, error",
+    ),
 }
 # ddpkit option -> torchrun's name for it, read from PET_<NAME> as torchrun does
 TORCHRUN_NAMES: dict[str, str] = {

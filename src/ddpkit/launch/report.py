@@ -14,14 +14,17 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch import causes, memory
 from ddpkit.launch.causes import short
 from ddpkit.launch.hang import mismatch
+from ddpkit.launch.hang.blame import Culprit
+from ddpkit.launch.peers.liveness import Abort
 from ddpkit.launch.rundir import open_private
+from ddpkit.launch.snapshot import RankView, Snapshot
+from ddpkit.launch.worker import Worker
 
 HANG_EXIT_CODE = 124  # as GNU timeout's
 
@@ -112,7 +115,7 @@ class Outcome:
         return cls(ok=False, exit_code=1, summary=summary, restartable=False)
 
     @classmethod
-    def other_node(cls, abort: Any) -> Outcome:
+    def other_node(cls, abort: Abort) -> Outcome:
         """Another node stopped the job and published why (a `liveness.Abort`)."""
         return cls(
             ok=False,
@@ -126,16 +129,16 @@ class Outcome:
     @classmethod
     def rank_failed(
         cls,
-        failed: list[Any],
-        state_dir: Path,
+        snap: Snapshot,
         oom: causes.OomWatch | None = None,
         growth: Callable[[int], str | None] | None = None,
     ) -> Outcome:
-        errors = {
-            w.rank: error for w in failed if (error := protocol.read_error(state_dir, w.rank))
-        }
+        """The root cause among the ranks that exited non-zero in `snap`."""
+        failed = snap.exited_nonzero
+        state_dir = snap.state_dir
+        errors = {w.rank: w.error for w in failed if w.error is not None}
 
-        def order(w: Any) -> tuple[bool, float]:
+        def order(w: RankView) -> tuple[bool, float]:
             error = errors.get(w.rank)
             if error is None:
                 return False, w.ended_wall
@@ -159,13 +162,13 @@ class Outcome:
         code = root.exit_code or 0
         if code < 0 and -code in causes.FATAL and (site := causes.fault_site(state_dir, root.rank)):
             summary += f" at {site}"
-        killed = {root.proc.pid} if code == -signal.SIGKILL else causes.killed_worker_pids(error)
+        killed = {root.pid} if code == -signal.SIGKILL else causes.killed_worker_pids(error)
         if killed and oom is not None and oom.killed(killed):
             summary = f"rank {root.rank} {oom.text(root.rss)}"
             fix = causes.OOM_FIX
         if error is not None:
             site = causes.error_site(error)
-            memory_facts = memory.read(state_dir, root.rank)
+            memory_facts = root.memory
             if memory_facts is not None:  # out of memory: what it held, and what would fit
                 grew = growth(root.rank) if growth is not None else None
                 summary, fix = memory.verdict(memory_facts, root.rank, site, grew)
@@ -183,34 +186,35 @@ class Outcome:
                 fix = fix or error.fix
         return cls(
             ok=False,
-            exit_code=exit_code_of(root.exit_code),
+            exit_code=exit_code_of(code),
             summary=summary,
             root_rank=root.rank,
             victim=victim,
             fix=fix,
         )
 
-    def blame(self, culprit: Any, state_dir: Path) -> None:
-        """The first failure was a rank that waited; `culprit` (a blame.Culprit) is the rank
-        it waited for: it becomes the root cause, and the failed ranks its victims."""
+    def blame(self, culprit: Culprit, snap: Snapshot) -> None:
+        """The first failure was a rank that waited; `culprit` is the rank it waited for: it
+        becomes the root cause, and the failed ranks its victims."""
         self.summary, self.fix = culprit.summary, culprit.fix
         self.root_rank, self.victims, self.victim = culprit.rank, culprit.victims, False
         lines = []
         for rank in culprit.victims:
-            error = protocol.read_error(state_dir, rank)
+            error = snap.of(rank).error
             if error is not None:
                 message = error.message.strip().splitlines()[-1] if error.message else ""
                 lines.append(f"  victim: rank {rank}: {error.type}: {short(message)}")
         self.details = "\n".join(lines)
 
     def finalize(
-        self, workers: list[Any], run_dir: Path, state_dir: Path, roots: Sequence[Path] = ()
+        self, workers: list[Worker], snap: Snapshot, run_dir: Path, roots: Sequence[Path] = ()
     ) -> None:
-        """Write the report (console text and run_dir/report.txt) once outputs are closed.
-        `roots`: where the script's files are (to find the branch of a collective mismatch)."""
+        """Write the report (console text and run_dir/report.txt) once outputs are closed;
+        `snap`: the ranks as they ended. `roots`: where the script's files are (to find the
+        branch of a collective mismatch)."""
         if self.ok:
             return
-        differ = collective_mismatch(workers, state_dir)
+        differ = collective_mismatch(workers, snap)
         if differ:
             self.summary = f"{differ.line} (first reported: {self.summary})"
             self.fix = mismatch.fix_line(differ, [*roots, Path.cwd()])
@@ -235,11 +239,11 @@ class Outcome:
                 lines.append(f"  last lines of rank {root.rank}'s output:")
                 lines.extend(f"    | {line}" for line in tail)
         others: dict[str, list[int]] = {}
-        root_error = protocol.read_error(state_dir, root.rank) if root is not None else None
+        root_error = snap.of(root.rank).error if root is not None else None
         for w in workers:
             if w is not root and not self.interrupted and w.rank not in (self.victims or ()):
                 what = "stopped by ddpkit" if w.stopped else describe_exit(w.exit_code)
-                error = protocol.read_error(state_dir, w.rank)
+                error = snap.of(w.rank).error
                 if root_error and error and error.type == root_error.type:
                     what = f"failed the same way ({error.type})"
                 others.setdefault(what, []).append(w.rank)
@@ -261,7 +265,7 @@ class Outcome:
             self.text += f"\n  (report.txt not written: {err.strerror or err})"
 
 
-def how_ranks_ended(workers: list[Any], grace: float) -> str:
+def how_ranks_ended(workers: list[Worker], grace: float) -> str:
     """After a forwarded stop signal: which ranks ended on their own (saved and left, or as
     the signal told them) and which the launcher killed when the grace was over."""
     if workers and all(w.exit_code == 0 for w in workers):
@@ -292,17 +296,17 @@ MISMATCH_WORDS = (
 )
 
 
-def collective_mismatch(workers: list[Any], state_dir: Path) -> mismatch.Mismatch | None:
+def collective_mismatch(workers: list[Worker], snap: Snapshot) -> mismatch.Mismatch | None:
     """When torch or gloo says collectives differ, which rank called what, from where (from
     each rank's progress record), instead of a wall of fingerprints."""
     said = [line for w in workers for line in w.output.last_lines]
     if not any(word in line for line in said for word in MISMATCH_WORDS):
         return None
     calls = []
-    for w in workers:
-        record = protocol.read_record(state_dir, w.rank)
+    for v in snap.ranks:
+        record = v.record
         if record is not None and record.op:
-            calls.append(mismatch.Call(w.rank, record.op, record.site, record.shapes))
+            calls.append(mismatch.Call(v.rank, record.op, record.site, record.shapes))
     found = mismatch.find(calls)
     if found is not None:
         return found

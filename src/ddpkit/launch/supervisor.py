@@ -1,19 +1,19 @@
-"""`ddpkit run` as one state machine: start the workers, watch them, stop them all.
+"""`ddpkit run`'s edge: the I/O around the job's step function (ddpkit.launch.lifecycle).
 
-The phases of an attempt, one handler each:
+Each poll the supervisor reaps the workers that exited, looks at every rank once (a
+`snapshot.Snapshot`), gathers the events (a stop signal, a closed console, another node's word,
+the hang watch's findings), asks `lifecycle.step` for the next state and the actions, and
+performs them:
 
-    meet     the nodes meet (one node: nothing to do); a restart or a new round meets again
-    start    the workers start, each in a session of its own, each told to the watchdog
-    run      look at the job (`observe`), ask what it means (`decide.decide`), act on it,
-             until the verdict is not "go on"
-    settle   after a failure, near-simultaneous exits land, so the root cause is chosen
-             among them
-    collect  the evidence the report needs: stacks in a hang, the rank the others waited
-             for, another node's word on why
-    stop     every process of the job ends (the signal forwarded, the grace, SIGKILL)
-    report   the outcome, written and printed
-    leave    this node is done with the round; then `decide.after_attempt` says: restart
-             (meet again), a new round of membership, or done.
+    Start         the workers start, each in a session of its own, each told to the watchdog
+    Watch         the watches' notes are said, the speed doctor samples, a pause
+    AnswerPlaces  node 0 asks where this node's ranks are
+    DescribeWait  ranks that wait long for a working one are said once (not a hang)
+    Collect       the verdict's outcome with its evidence (ddpkit.launch.outcomes' table);
+                  every process of the attempt ends (the signal forwarded, the grace,
+                  SIGKILL); the report is written
+    Restart       the nodes meet again (a restart, or a new round of membership)
+    Finish        the job's end: done, or the report
 
 Every wait goes through one primitive (`wait.Wait`: a deadline that also gives up on a stop
 signal); the other nodes are a `Peers` (`NoPeers` for one node), so nothing here asks how many
@@ -29,31 +29,34 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import causes, observe, report, rundir, watchdog
+from ddpkit.launch import lifecycle, outcomes, report, rundir, watchdog
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.decide import Attempt, Next, Observation, Verdict, after_attempt, decide
-from ddpkit.launch.hang import blame, mismatch, places
-from ddpkit.launch.hang.watch import HANG_EXIT_CODE, HangWatch
+from ddpkit.launch.decide import Attempt, Next, after_attempt
+from ddpkit.launch.hang import places
+from ddpkit.launch.hang.watch import HangWatch
+from ddpkit.launch.lifecycle import Events, Phase, State
 from ddpkit.launch.output import CONSOLE
 from ddpkit.launch.peers import crossnode
-from ddpkit.launch.peers.liveness import BEAT, Abort
+from ddpkit.launch.peers.liveness import Abort
 from ddpkit.launch.peers.nodes import NodeGroup, join
-from ddpkit.launch.peers.peers import Peers, peers_of, wait_for_word
+from ddpkit.launch.peers.peers import Peers, peers_of
+from ddpkit.launch.report import HANG_EXIT_CODE
+from ddpkit.launch.snapshot import Reader, Snapshot
 from ddpkit.launch.speed.watch import SpeedWatch
 from ddpkit.launch.wait import Wait
+from ddpkit.launch.worker import Signals, Worker
 from ddpkit.launch.workers import (
     FORWARDED,
     QUIETED,
-    Signals,
-    Worker,
     end_orphans,
     start_worker,
     stop_workers,
@@ -61,10 +64,7 @@ from ddpkit.launch.workers import (
 )
 
 PR_SET_CHILD_SUBREAPER = 36
-SETTLE = 0.2  # seconds near-simultaneous exits get to land before the root cause is chosen
-# at most this long for the ranks that are failing the same way as the first (observe.settled)
-SETTLE_WAITING = observe.ERROR_EXIT_WAIT
-INIT_CHECK_EVERY = 0.5
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +75,9 @@ class Job:
     run_dir: Path
     signals: Signals
     watchdog: subprocess.Popen[bytes]
+    node: NodeGroup
+    began: float = field(default_factory=time.monotonic)
+    running: Running | None = None  # the attempt whose workers may be running
 
     def interrupted(self) -> str | None:
         """Why to give up a wait: a stop signal the launcher got."""
@@ -85,6 +88,21 @@ class Job:
         return Wait(self.interrupted)
 
 
+@dataclass
+class Running:
+    """One attempt as the edge holds it: its ranks and its watches."""
+
+    scene: outcomes.Scene
+    state_dir: Path
+    hangs: HangWatch
+    speed: SpeedWatch
+    outcome: report.Outcome | None = None
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.scene.workers
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Run the job described by `cfg`; return the exit code for `ddpkit run`."""
     _prepare(cfg)
@@ -93,7 +111,7 @@ def launch(cfg: LaunchConfig) -> int:
     signals = Signals()
     previous = {s: signal.signal(s, signals.handle) for s in {*FORWARDED, *cfg.torchrun.signals}}
     guard = None
-    code = 1
+    job: Job | None = None
     try:
         name = node.run_id if node.nnodes == 1 else f"{node.run_id}-node{node.group_rank}"
         run_dir = rundir.make(base, name)
@@ -107,76 +125,156 @@ def launch(cfg: LaunchConfig) -> int:
                 )
         _say_start(cfg, node, run_dir)
         guard = watchdog.start(node.run_id, cfg.grace)
-        job = Job(cfg, run_dir, signals, guard)
-        attempt, rounds, began = 0, 0, time.monotonic()
-        while True:
-            peers = peers_of(node, cfg.node_timeout, elastic=cfg.min_nodes < cfg.nnodes)
-            peers.start()
-            outcome = run_attempt(job, node, peers, run_dir / f"state{rounds}", attempt)
-            code, rounds = outcome.exit_code, rounds + 1
-            if debug_enabled() and peers.debug_line():
-                _say(peers.debug_line())
-            then = after_attempt(
-                Attempt(
-                    ok=outcome.ok,
-                    restartable=outcome.restartable,
-                    membership=outcome.membership,
-                    signalled=signals.count > 0,
-                    attempt=attempt,
-                    max_restarts=cfg.max_restarts,
-                )
-            )
-            # leave: a node that serves a store waits for the others to read why (bounded)
-            if outcome.ok:
-                peers.finish()
-                _say(_done_line(run_dir, time.monotonic() - began))
-                break
-            hurry = signals.count > 0
-            peers.leave(1.0 if hurry else cfg.node_timeout, hurry)
-            if then is Next.DONE:
-                _say(outcome.text.lstrip("\n"), prefix="")
-                break
-            if then is Next.NEW_ROUND:
-                _say(f"the job's nodes change ({outcome.summary}): every node starts again")
-            else:  # not the job's end: no exit code yet, the group starts again
-                text = outcome.text.lstrip("\n").rsplit("\n  exit code:", 1)[0]
-                tries = f"attempt {attempt + 1} of {cfg.max_restarts + 1}"
-                _say(text.replace("ddpkit: the job ", f"ddpkit: {tries}: the job ", 1), prefix="")
-                attempt += 1
-                _say(f"restarting the whole group ({attempt} of {cfg.max_restarts})")
-            node = crossnode.next_round(cfg, node)  # meet again
+        job = Job(cfg, run_dir, signals, guard, node)
+        return drive(job)
     finally:
-        node.close()
+        (job.node if job is not None else node).close()
         if guard is not None:
             watchdog.finish(guard)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def drive(job: Job) -> int:
+    """Step the job from STARTING to DONE, performing each step's actions; the exit code."""
+    state = State()
+    running: Running | None = None
+    code = 1
+    try:
+        while state.phase is not Phase.DONE:
+            state, running, code = _step(job, state, running, code)
+    finally:
+        if job.running is not None and job.running.outcome is None:  # an error while it ran
+            _stop(job, job.running)
     return code
 
 
-def run_attempt(
-    job: Job, node: NodeGroup, peers: Peers, state_dir: Path, attempt: int
-) -> report.Outcome:
-    """One attempt: start, run, settle, collect, stop, report. Returns the finalized outcome."""
-    cfg = job.cfg
-    state_dir.mkdir(mode=0o700)
-    workers: list[Worker] = []
-    speed = None
-    given = cfg.grace
-    try:
-        _start(job, node, state_dir, attempt, workers)
-        speed = SpeedWatch(
-            workers,
-            state_dir,
-            job.run_dir,
-            cfg.straggler_threshold,
-            cfg.straggler_window,
-            node.host,
-            peers,
+def _step(
+    job: Job, state: State, running: Running | None, code: int
+) -> tuple[State, Running | None, int]:
+    """One look, one step, its actions performed."""
+    snap, events = _look(job, running, state)
+    before = state.phase
+    state, actions = lifecycle.step(state, snap, events)
+    if state.phase is not before:
+        why = f" ({state.verdict.value})" if state.verdict is not None else ""
+        log.debug("%s -> %s%s", before.value, state.phase.value, why)
+    for action in actions:
+        if not isinstance(action, lifecycle.Watch):  # the job goes on: every poll
+            log.debug("action: %s", action)
+        if isinstance(action, lifecycle.Start):
+            running = _start(job, action)
+        elif isinstance(action, lifecycle.Collect):
+            assert running is not None
+            running.outcome = _collect_and_stop(job, running, action.verdict, state.attempt)
+            code = running.outcome.exit_code
+        elif isinstance(action, lifecycle.Restart):
+            assert running is not None
+            _say_restart(job, running, action.new_round, state.attempt)
+            job.node = crossnode.next_round(job.cfg, job.node)  # meet again
+            running = None
+        elif isinstance(action, lifecycle.Finish):
+            assert running is not None
+            _say_end(job, running)
+        elif running is not None:
+            _act(job, running, action, snap)
+    return state, running, code
+
+
+def _look(job: Job, running: Running | None, state: State) -> tuple[Snapshot, Events]:
+    """One look at the ranks and at what else happened, for the step function."""
+    now = time.monotonic()
+    signal_ = job.signals.last if job.signals.count else None
+    if running is None:
+        return Snapshot(()), Events(now=now, signal=signal_)
+    if state.phase is Phase.STOPPING:  # the attempt has ended: how, for after_attempt
+        outcome = running.outcome
+        assert outcome is not None
+        ended = Attempt(
+            ok=outcome.ok,
+            restartable=outcome.restartable,
+            membership=outcome.membership,
+            signalled=job.signals.count > 0,
+            attempt=state.attempt,
+            max_restarts=job.cfg.max_restarts,
         )
-        verdict, stall = _run(job, workers, state_dir, peers, speed)
-        outcome = _collect(job, verdict, stall, workers, state_dir, peers, speed)
-        if peers.multi_node and outcome.from_node is None and not outcome.ok:
+        return Snapshot(()), Events(now=now, signal=signal_, ended=ended)
+    snap = running.scene.look(steps=None, usage=None)
+    peers = running.scene.peers
+    watching = state.phase is Phase.RUNNING
+    hung = watching and running.hangs.hung(snap)
+    if hung:
+        running.scene.stall = running.hangs.stalled_for(now)
+    return snap, Events(
+        now=now,
+        signal=signal_,
+        console_closed=CONSOLE.closed is not None,
+        other_node_said=peers.word() is not None,
+        node_lost=peers.lost() is not None,
+        hung=hung,
+        init_timeout=job.cfg.init_timeout,
+        hang_asked=watching and peers.hang_asked(),
+        long_wait=running.hangs.waits is not None,
+    )
+
+
+def _start(job: Job, action: lifecycle.Start) -> Running:
+    """Start every worker of this node (none more once a stop signal came), and the watches."""
+    cfg, node = job.cfg, job.node
+    state_dir = job.run_dir / f"state{action.rounds}"
+    state_dir.mkdir(mode=0o700)
+    peers = peers_of(node, cfg.node_timeout, elastic=cfg.min_nodes < cfg.nnodes)
+    peers.start()
+    workers: list[Worker] = []
+    speed = SpeedWatch(job.run_dir, cfg.straggler_threshold, cfg.straggler_window, node.host, peers)
+    scene = outcomes.Scene(cfg, job.signals, workers, Reader(state_dir), peers, speed.memory.growth)
+    running = Running(scene, state_dir, HangWatch(state_dir, cfg.hang_timeout, peers), speed)
+    job.running = running  # stopped by drive() should anything below raise
+    for local_rank in range(cfg.nproc_per_node):
+        if job.signals.count:  # Ctrl+C or SIGTERM while starting: start no more
+            break
+        rank = node.group_rank * cfg.nproc_per_node + local_rank
+        env = worker_env(cfg, node, rank, local_rank, action.attempt, state_dir)
+        workers.append(start_worker(cfg, rank, env, job.run_dir))
+        watchdog.tell(job.watchdog, f"group {workers[-1].pgid}")
+        log.debug("rank %d started: pid %d", rank, workers[-1].proc.pid)
+    speed.watch({w.rank: w.proc.pid for w in workers})
+    log.debug("attempt %d: %d worker(s) in %s", action.attempt, len(workers), state_dir)
+    if cfg.kind == "command" and not job.signals.count:
+        # a program, not Python: its rank 0 cannot serve the store
+        node.serve_store(cfg.init_timeout, job.wait)  # the workers' connections wait till now
+    return running
+
+
+def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -> None:
+    """The actions of a job that goes on."""
+    if isinstance(action, lifecycle.AnswerPlaces):  # node 0 asks where this node's ranks are
+        running.scene.peers.answer_places(*places.collect(snap, wait=job.wait))
+    elif isinstance(action, lifecycle.DescribeWait):
+        waits, running.hangs.waits = running.hangs.waits, None
+        if waits is not None:
+            _say(places.long_wait_note(snap, waits.waiting, waits.working, waits.began, job.wait))
+    elif isinstance(action, lifecycle.Watch):
+        while running.hangs.notes:
+            _say(running.hangs.notes.pop(0))
+        running.speed.sample(snap)
+        while running.speed.notes:
+            _say(running.speed.notes.pop(0))
+        time.sleep(job.cfg.torchrun.monitor_interval)
+
+
+def _collect_and_stop(
+    job: Job, running: Running, verdict: lifecycle.Verdict, attempt: int
+) -> report.Outcome:
+    """The verdict's outcome (its collector), then every process of the attempt ended, the
+    speed doctor's summary, and the report."""
+    cfg, node, scene = job.cfg, job.node, running.scene
+    workers = running.workers
+    outcome = report.Outcome.launcher_failure("the launcher stopped before the verdict")
+    try:
+        outcome = outcomes.COLLECTORS[verdict](scene)
+        log.debug("outcome of %s: %s", verdict.value, outcome.summary)
+        if scene.peers.multi_node and outcome.from_node is None and not outcome.ok:
             # this node knows why: the others stop for the same reason, before this node's
             # ranks go and theirs fail for want of a peer
             why = f"node {node.group_rank} ({node.host}): {outcome.summary}"
@@ -185,187 +283,70 @@ def run_attempt(
                 Attempt(False, outcome.restartable, False, job.signals.count > 0, attempt,
                         cfg.max_restarts)
             ) is Next.RESTART  # fmt: skip
-            peers.publish_abort(Abort(node.group_rank, why, others, restart), job.signals.count > 0)
+            scene.peers.publish_abort(
+                Abort(node.group_rank, why, others, restart), job.signals.count > 0
+            )
     finally:
-        # stop
-        given = stop_workers(workers, cfg.grace, job.signals, node.run_id, state_dir)
-        for w in workers:
-            w.output.close()
-        end_orphans({w.proc.pid for w in workers}, job.watchdog.pid)
-    if speed is not None and not job.signals.count:
-        summary = speed.finish()  # speed.json and steps.png, whatever the outcome
+        given = _stop(job, running)
+    speed = running.speed
+    ended = scene.reader.look(workers, steps=True, usage=False)  # the ranks as they ended
+    if not job.signals.count:
+        summary = speed.finish(ended)  # speed.json and steps.png, whatever the outcome
         while speed.notes:
             _say(speed.notes.pop(0))
         if summary and outcome.ok:  # after a failure the step times are beside the point
             _say(summary)
-    # report
     outcome.grace = given
-    outcome.finalize(workers, job.run_dir, state_dir, script_roots(cfg))
+    outcome.finalize(workers, ended, job.run_dir, outcomes.script_roots(cfg))
     return outcome
 
 
-def _start(job: Job, node: NodeGroup, state_dir: Path, attempt: int, workers: list[Worker]) -> None:
-    """Start every worker of this node (none more once a stop signal came)."""
-    cfg = job.cfg
-    for local_rank in range(cfg.nproc_per_node):
-        if job.signals.count:  # Ctrl+C or SIGTERM while starting: start no more
-            return
-        rank = node.group_rank * cfg.nproc_per_node + local_rank
-        env = worker_env(cfg, node, rank, local_rank, attempt, state_dir)
-        workers.append(start_worker(cfg, rank, env, job.run_dir))
-        watchdog.tell(job.watchdog, f"group {workers[-1].pgid}")
-    if cfg.kind == "command":  # a program, not Python: its rank 0 cannot serve the store
-        node.serve_store(cfg.init_timeout, job.wait)  # the workers' connections wait till now
+def _stop(job: Job, running: Running) -> float:
+    """Every process of the attempt ends; the grace the ranks were given."""
+    workers = running.workers
+    given = stop_workers(workers, job.cfg.grace, job.signals, job.node.run_id, running.state_dir)
+    for w in workers:
+        w.output.close()
+    end_orphans({w.proc.pid for w in workers}, job.watchdog.pid)
+    return given
 
 
-def _run(
-    job: Job, workers: list[Worker], state_dir: Path, peers: Peers, speed: SpeedWatch
-) -> tuple[Verdict, float]:
-    """Look, decide, act, until the verdict is not GO_ON; (the verdict, how long no rank made
-    progress). What the job goes on with is acted on here: the watches' notes, a long wait
-    said, another node's question answered."""
-    cfg = job.cfg
-    hangs = HangWatch(workers, state_dir, cfg.hang_timeout, peers)
-    next_init_check = 0.0
-    while True:
-        now = time.monotonic()
-        observe.reap(workers)
-        checking_init = now >= next_init_check
-        if checking_init:
-            next_init_check = now + INIT_CHECK_EVERY
-        seen = Observation(
-            signal=job.signals.last if job.signals.count else None,
-            failed=tuple(w.rank for w in observe.failed(workers, state_dir)),
-            running=tuple(w.rank for w in workers if w.exit_code is None),
-            console_closed=CONSOLE.closed is not None,
-            other_node_said=peers.word() is not None,
-            node_lost=peers.lost() is not None,
-            hung=hangs.hung(now),
-            missing_at_init=checking_init
-            and observe.missing_at_init(workers, state_dir, cfg.init_timeout) is not None,
-        )
-        verdict = decide(seen)
-        if verdict is not Verdict.GO_ON:
-            return verdict, hangs.stalled_for(now)
-        if peers.hang_asked():  # node 0 asks where this node's ranks are
-            peers.answer_places(*places.collect(workers, state_dir, wait=job.wait))
-        while hangs.notes:
-            _say(hangs.notes.pop(0))
-        if hangs.waits is not None:
-            waits, hangs.waits = hangs.waits, None
-            _say(
-                places.long_wait_note(
-                    workers, state_dir, waits.waiting, waits.working, waits.began, job.wait
-                )
-            )
-        speed.sample(now)
-        while speed.notes:
-            _say(speed.notes.pop(0))
-        time.sleep(cfg.torchrun.monitor_interval)
+def _say_end(job: Job, running: Running) -> None:
+    """The job's last word: done, or its report."""
+    peers, outcome = running.scene.peers, running.outcome
+    assert outcome is not None
+    if debug_enabled() and peers.debug_line():
+        _say(peers.debug_line())
+    if outcome.ok:
+        peers.finish()
+        _say(_done_line(job.run_dir, time.monotonic() - job.began))
+        return
+    _leave(job, peers)
+    _say(outcome.text.lstrip("\n"), prefix="")
 
 
-def _collect(
-    job: Job,
-    verdict: Verdict,
-    stall: float,
-    workers: list[Worker],
-    state_dir: Path,
-    peers: Peers,
-    speed: SpeedWatch,
-) -> report.Outcome:
-    """The outcome a verdict makes, with the evidence its report needs (settle and collect)."""
-    cfg, wait = job.cfg, job.wait
-    if verdict is Verdict.INTERRUPTED:
-        name = signal.Signals(job.signals.last).name
-        return report.Outcome.interrupted_by(name, 128 + job.signals.last)
-    if verdict is Verdict.RANK_FAILED:
-        wait.until(lambda: False, SETTLE)  # settle: near-simultaneous exits land
-
-        def landed() -> bool:
-            observe.reap(workers)
-            return observe.settled(workers, state_dir)
-
-        wait.until(landed, SETTLE_WAITING)
-        observe.reap(workers)
-        outcome = report.Outcome.rank_failed(
-            [w for w in workers if w.exit_code not in (None, 0)],
-            state_dir,
-            causes.OomWatch(),
-            speed.memory.growth,
-        )
-
-        def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
-            alive = [w for w in workers if w.rank in ranks]
-            return places.collect(alive, state_dir, hung=False, wait=wait)[0]
-
-        culprit = blame.find_culprit(workers, state_dir, places_of)
-        if culprit is not None:
-            outcome.blame(culprit, state_dir)
-        if peers.multi_node and outcome.victim:  # the cause may be another node's
-            word = wait_for_word(peers, wait, cfg.node_timeout + BEAT)
-            if isinstance(word, Abort):
-                return report.Outcome.other_node(word)
-            if isinstance(word, str):
-                return report.Outcome.node_lost(word)
-        return outcome
-    if verdict is Verdict.CONSOLE_CLOSED:
-        return report.Outcome.launcher_failure(f"{CONSOLE.closed}; the job is stopped")
-    if verdict is Verdict.OTHER_NODE:
-        word = peers.word()
-        assert word is not None
-        return report.Outcome.other_node(word)
-    if verdict is Verdict.NODE_LOST:
-        return report.Outcome.node_lost(peers.lost() or "a node is gone")
-    if verdict is Verdict.SUCCESS:
-        return report.Outcome.success()
-    if verdict is Verdict.HUNG:
-        return _hang_outcome(job, stall, workers, state_dir, peers)
-    missing = observe.missing_at_init(workers, state_dir, cfg.init_timeout)
-    outcome = report.Outcome.launcher_failure(missing or "a rank never reached init")
-    # where the missing ranks are instead (or every rank, when all wait in init): their
-    # stacks, as the hang doctor shows them
-    absent = [w for w in workers if observe.absent(w, state_dir)] or workers
-    outcome.details = places.collect(absent, state_dir, False, wait)[1]
-    if not missing or missing.startswith("init_process_group did not complete"):
-        outcome.fix = (
-            "let ddpkit run give init its world size, rank and address (init_process_group("
-            "backend) alone, or ddpkit.setup()); a script's own store or init_method='file://"
-            "...' must be the same for every rank and fresh; raise --init-timeout if init is "
-            "this slow at this scale"
-        )
-    return outcome
+def _say_restart(job: Job, running: Running, new_round: bool, attempt: int) -> None:
+    """A restart (attempt N of M: the failure's report, then the group starts again) or a new
+    round of membership, said before the nodes meet again."""
+    outcome = running.outcome
+    assert outcome is not None
+    if debug_enabled() and running.scene.peers.debug_line():
+        _say(running.scene.peers.debug_line())
+    _leave(job, running.scene.peers)
+    if new_round:
+        _say(f"the job's nodes change ({outcome.summary}): every node starts again")
+        return
+    text = outcome.text.lstrip("\n").rsplit("\n  exit code:", 1)[0]
+    tries = f"attempt {attempt} of {job.cfg.max_restarts + 1}"
+    _say(text.replace("ddpkit: the job ", f"ddpkit: {tries}: the job ", 1), prefix="")
+    _say(f"restarting the whole group ({attempt} of {job.cfg.max_restarts})")
 
 
-def _hang_outcome(
-    job: Job, stall: float, workers: list[Worker], state_dir: Path, peers: Peers
-) -> report.Outcome:
-    """The hang report: every rank's place (every node's, from node 0). A stop signal while it
-    is collected cuts its waits short, so the launcher still ends within its grace."""
-    found = places.evidence(workers, state_dir, wait=job.wait)
-    every, hosts, details = peers.places_everywhere(
-        found.places, found.details, job.cfg.nproc_per_node, job.wait
-    )
-    line = f"no rank made progress for {stall:.0f} s: {places.verdict(every, hosts)}"
-    if job.signals.count:
-        name = signal.Signals(job.signals.last).name
-        return report.Outcome.interrupted_by(name, 128 + job.signals.last)
-    calls = places.calls_of(every, found.calls)
-    differ = mismatch.find(calls) if calls else None
-    if differ is not None:  # no timeout fixes that: say which calls differ, and where
-        outcome = report.Outcome.hang(
-            f"{differ.line} (no rank made progress for {stall:.0f} s)", details, 0
-        )
-        outcome.fix = mismatch.fix_line(differ, script_roots(job.cfg))
-        return outcome
-    return report.Outcome.hang(line, details, job.cfg.hang_timeout)
-
-
-def script_roots(cfg: LaunchConfig) -> list[Path]:
-    """Where the script's files are: its folder, and the folder the job started in."""
-    roots = [Path.cwd()]
-    if cfg.kind == "script":
-        roots.insert(0, Path(cfg.target).resolve().parent)
-    return roots
+def _leave(job: Job, peers: Peers) -> None:
+    """This node is done with the round: a node that serves a store waits for the others to
+    read why (bounded)."""
+    hurry = job.signals.count > 0
+    peers.leave(1.0 if hurry else job.cfg.node_timeout, hurry)
 
 
 def _prepare(cfg: LaunchConfig) -> None:

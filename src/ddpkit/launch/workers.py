@@ -6,14 +6,13 @@ what they left behind is ended."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -21,6 +20,9 @@ from ddpkit.common import nccl_transport, procs, protocol
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.output import RankOutput
 from ddpkit.launch.peers.nodes import NodeGroup
+from ddpkit.launch.worker import Signals, Worker
+
+log = logging.getLogger(__name__)
 
 QUIETED = "_DDPKIT_QUIETED_TORCH"  # the launcher set TORCH_CPP_LOG_LEVEL for itself only
 GRACEFUL_WAIT = 120.0  # seconds ranks that read s.stop_requested get to save after a signal
@@ -38,33 +40,6 @@ FORWARDED = (
     signal.SIGUSR2,
     signal.SIGQUIT,
 )
-
-
-@dataclass
-class Signals:
-    """The signals the launcher received (any of FORWARDED)."""
-
-    count: int = 0
-    last: int = 0
-
-    def handle(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        self.last = signum
-
-
-@dataclass
-class Worker:
-    rank: int
-    proc: subprocess.Popen[bytes]
-    output: RankOutput
-    exit_code: int | None = None
-    ended_wall: float = 0.0
-    stopped: bool = False  # ended by the launcher's teardown, not by itself
-    rss: int = 0  # bytes its process tree held when last sampled (the hang watch's sample)
-
-    @property
-    def pgid(self) -> int:
-        return self.proc.pid  # each worker leads its own session and group
 
 
 def worker_env(
@@ -219,6 +194,12 @@ def stop_workers(
         return signals.count >= 2 or signals.count > count_before
 
     groups = [w.pgid for w in alive]
+    log.debug(
+        "stopping ranks %s: %s first, SIGKILL after %g s",
+        [w.rank for w in alive],
+        signal.Signals(first).name,
+        grace,
+    )
     if signals.count:
         # a forwarded signal goes to each rank itself, as torchrun sends it: the rank decides
         # (its DataLoader workers and children are its business until the grace is over)

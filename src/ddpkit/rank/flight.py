@@ -1,8 +1,8 @@
 """The rank's side of the flight recorder: answer the launcher's dump requests.
 
 PyTorch keeps a ring buffer of recent collectives per process group when TORCH_FR_BUFFER_SIZE
-> 0 (ddpkit run sets 2000 unless set). `serve` starts a daemon thread once the rank's process
-group exists; it writes a dump when the launcher drops a request file (`ddpkit.common.protocol`).
+> 0 (ddpkit run sets 2000 unless set). `serve` registers the questions once the rank's process
+group exists; the answering thread writes a dump when the launcher drops a request file.
 Which recorder holds this group's entries depends on the torch build: a CUDA build keeps NCCL's
 in `_dump_nccl_trace` and gloo's in `_dump_fr_trace`; a CPU build has only the latter. The dump
 taken is the one that knows this process's groups.
@@ -10,52 +10,27 @@ taken is the one that knows this process's groups.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import pickle
-import threading
-import time
-from pathlib import Path
 
 from ddpkit.common import protocol
+from ddpkit.rank import answering
 
 RECORDERS = ("_dump_fr_trace", "_dump_nccl_trace")
 
 
 def serve(state_dir: str, rank: str, backend: str) -> None:
-    """Answer dump requests from a daemon thread: full dumps and status polls, each in its own
-    pair of files."""
-    asks = [
-        (
-            protocol.state_path(state_dir, rank, request),
-            protocol.state_path(state_dir, rank, answer),
-            full,
-        )
-        for request, answer, full in (
-            (protocol.FLIGHT_REQUEST, protocol.FLIGHT_DUMP, True),
-            (protocol.FLIGHT_STATUS_REQUEST, protocol.FLIGHT_STATUS_DUMP, False),
-        )
-    ]
+    """Answer dump requests (ddpkit.rank.answering): full dumps and status polls, each in its
+    own pair of files."""
+    # the first dump's set-up is paid now, off the script's thread, not during a hang report
+    first = functools.partial(dump, True, backend)
+    for request, out, full in (
+        (protocol.FLIGHT_REQUEST, protocol.FLIGHT_DUMP, True),
+        (protocol.FLIGHT_STATUS_REQUEST, protocol.FLIGHT_STATUS_DUMP, False),
+    ):
+        make = functools.partial(dump, full, backend)
+        answering.answer(state_dir, rank, request, out, make, first if full else None)
     protocol.state_path(state_dir, rank, protocol.FLIGHT_READY).touch()
-
-    def loop() -> None:
-        with contextlib.suppress(Exception):
-            dump(backend=backend)  # pay the first call's set-up now, not during a hang report
-        while True:
-            time.sleep(0.2)
-            for request, out, full in asks:
-                if not request.exists():
-                    continue
-                with contextlib.suppress(Exception):
-                    request.unlink()
-                    _write_atomic(out, dump(full, backend))
-
-    threading.Thread(target=loop, daemon=True, name="ddpkit-flight-recorder").start()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def dump(full: bool = True, backend: str = "nccl") -> bytes:

@@ -3,20 +3,19 @@ ended (uneven inputs: it ran out of batches and exited 0 while the others were m
 for a peer that was still working when the process group's timeout ran out (an evaluation on
 one rank, a slow save). The ranks that failed waiting are listed as its victims.
 
-`find_culprit` decides from what was observed (exit codes, error records, each rank's place);
-`places_of` is asked for the places of live ranks only when the decision needs them (it dumps
-their stacks).
+`find_culprit` decides from a snapshot of the ranks (exit codes, error records, progress and
+step records; taken with the step rings read); `places_of` is asked for the places of live ranks
+only when the decision needs them (it dumps their stacks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
+from ddpkit.launch.snapshot import RankView, Snapshot
 
 WAITING_WORDS = protocol.WAITING_WORDS  # a rank failed waiting for a peer
 
@@ -34,29 +33,29 @@ class Culprit:
 
 
 def find_culprit(
-    workers: list[Any],
-    state_dir: Path,
+    snap: Snapshot,
     places_of: Callable[[list[int]], dict[int, tuple[str, str]]],
 ) -> Culprit | None:
     """The rank the failed ranks waited for, when every failed rank failed waiting."""
-    failed = [w for w in workers if w.exit_code not in (None, 0)]
-    errors = {w.rank: protocol.read_error(state_dir, w.rank) for w in failed}
+    workers = snap.ranks
+    failed = snap.exited_nonzero
+    errors = {w.rank: w.error for w in failed}
     if not failed or not all(waited(errors[w.rank]) for w in failed):
         return None
     first = min(e.time for e in errors.values() if e is not None)
     victims = sorted(w.rank for w in failed)
-    where = _victims_place(victims, state_dir)
-    early = [w for w in workers if w.exit_code == 0 and _ended_at(w, state_dir) <= first + 0.5]
+    where = _victims_place(snap.only(victims))
+    early = [w for w in workers if w.exit_code == 0 and _ended_at(w) <= first + 0.5]
     if early:
         ranks = sorted(w.rank for w in early)
         ended = (
             f"rank{_s(ranks)} {ranks_text(ranks)} ended (exit code 0) while rank{_s(victims)} "
             f"{ranks_text(victims)} still waited for {_them(ranks)}{where}"
         )
-        counts = _counts(workers, lambda r: _collectives(state_dir, r))
+        counts = _counts(workers, _collectives)
         if counts is not None and len(set(counts.values())) < 2:
             counts = None  # the same number on every rank (or none counted): nothing to say
-        steps = _counts(workers, lambda r: _steps(state_dir, r))
+        steps = _counts(workers, _steps)
         if counts and steps and len(set(steps.values())) == 1 and next(iter(steps.values())):
             return Culprit(
                 ranks[0],
@@ -80,11 +79,7 @@ def find_culprit(
             victims,
         )
     # a live rank that recorded an error is failing too, only slower to exit
-    alive = [
-        w.rank
-        for w in workers
-        if w.exit_code is None and protocol.read_error(state_dir, w.rank) is None
-    ]
+    alive = [w.rank for w in workers if w.exit_code is None and w.error is None]
     if not alive:
         return None
     places = places_of(alive)
@@ -108,24 +103,25 @@ def find_culprit(
     )
 
 
-def _collectives(state_dir: Path, rank: int) -> int | None:
+def _collectives(view: RankView) -> int | None:
     """Collectives the rank called through torch.distributed's Python functions (the one it
     waits in counted), from its progress record."""
-    record = protocol.read_record(state_dir, rank)
+    record = view.record
     if record is None:
         return None
     return record.finished + (1 if record.in_collective else 0)
 
 
-def _steps(state_dir: Path, rank: int) -> int | None:
-    steps = protocol.read_steps(state_dir, rank, since=1 << 62)
-    return steps.count if steps is not None else None
+def _steps(view: RankView) -> int | None:
+    return view.steps.count if view.steps is not None else None
 
 
-def _counts(workers: list[Any], count: Callable[[int], int | None]) -> dict[int, int] | None:
+def _counts(
+    workers: tuple[RankView, ...], count: Callable[[RankView], int | None]
+) -> dict[int, int] | None:
     """rank -> a count, when every rank has one."""
-    found = {w.rank: count(w.rank) for w in workers}
-    return None if any(v is None for v in found.values()) else found  # type: ignore[return-value]
+    found = {w.rank: n for w in workers if (n := count(w)) is not None}
+    return found if len(found) == len(workers) else None
 
 
 def _per_rank(counts: dict[int, int]) -> str:
@@ -139,16 +135,15 @@ def _per_rank(counts: dict[int, int]) -> str:
     )
 
 
-def _ended_at(w: Any, state_dir: Path) -> float:
+def _ended_at(w: RankView) -> float:
     """When a rank ended: as it said itself (the launcher may notice a while later)."""
-    said = protocol.read_ended(state_dir, w.rank)
-    return said[1] if said is not None else w.ended_wall
+    return w.ended[1] if w.ended is not None else w.ended_wall
 
 
-def _victims_place(victims: list[int], state_dir: Path) -> str:
+def _victims_place(victims: tuple[RankView, ...]) -> str:
     """' in all_reduce (train.py:42)', from the victims' progress records."""
-    for rank in victims:
-        record = protocol.read_record(state_dir, rank)
+    for view in victims:
+        record = view.record
         if record is not None and record.op:
             return f" in {record.op} ({record.site})"
     return ""

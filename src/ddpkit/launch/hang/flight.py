@@ -12,24 +12,16 @@ on an H200 rank with a full ring, and a training step it overlapped ran 17.8 ms 
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.launch import asking
 from ddpkit.launch.wait import Wait
 
-
-def _paths(state_dir: Path, rank: int | str, full: bool = True) -> tuple[Path, Path]:
-    request, answer = (
-        (protocol.FLIGHT_REQUEST, protocol.FLIGHT_DUMP)
-        if full
-        else (protocol.FLIGHT_STATUS_REQUEST, protocol.FLIGHT_STATUS_DUMP)
-    )
-    return protocol.state_path(state_dir, rank, request), protocol.state_path(
-        state_dir, rank, answer
-    )
+# A rank's flight-recorder dump: torch's pickle (entries, pg_status, ...), untyped by torch
+Dump = dict[str, Any]
 
 
 def ready_file(state_dir: Path, rank: int | str) -> Path:
@@ -37,45 +29,38 @@ def ready_file(state_dir: Path, rank: int | str) -> Path:
     return protocol.state_path(state_dir, rank, protocol.FLIGHT_READY)
 
 
-def request(ranks: list[int], state_dir: Path, wait: Wait, seconds: float = 8.0) -> dict[int, Any]:
+def request(ranks: list[int], state_dir: Path, wait: Wait, seconds: float = 8.0) -> dict[int, Dump]:
     """Launcher side: rank -> the unpickled dump, for the ranks that answered in time (within
     `seconds`, or before `wait` gave up)."""
-    for rank in ranks:
-        request_file, out = _paths(state_dir, rank)
-        out.unlink(missing_ok=True)
-        request_file.touch()
-    dumps: dict[int, Any] = {}
-
-    def read_answers() -> bool:
-        for rank in ranks:
-            out = _paths(state_dir, rank)[1]
-            if rank not in dumps and out.exists():
-                with contextlib.suppress(Exception):
-                    dumps[rank] = pickle.loads(out.read_bytes())  # noqa: S301 - our own ranks
-        return len(dumps) == len(ranks)
-
-    wait.until(read_answers, seconds, poll=0.1)
-    return dumps
+    pids = dict.fromkeys(ranks, 0)  # asked by a request file: no pid needed
+    return asking.collect(asking.FLIGHT_DUMP, state_dir, pids, wait, seconds, _unpickle)
 
 
-def op_of(entry: dict[str, Any]) -> str:
+def _unpickle(data: bytes) -> Dump:
+    found = pickle.loads(data)  # noqa: S301 - written by our own ranks
+    if not isinstance(found, dict):
+        raise ValueError("not a flight-recorder dump")
+    return found
+
+
+def op_of(entry: Dump) -> str:
     """'all_reduce' of an entry (its profiling name without the backend)."""
     return _op(entry)
 
 
-def pending_entry(dump: Any) -> dict[str, Any] | None:
+def pending_entry(dump: Dump) -> Dump | None:
     """The oldest collective this rank issued that has not completed, as its dump entry."""
     entries = dump.get("entries", []) if isinstance(dump, dict) else []
     status = dump.get("pg_status") or {} if isinstance(dump, dict) else {}
     return next((e for e in entries if not _completed(e, status)), None)
 
 
-def _op(entry: dict[str, Any]) -> str:
+def _op(entry: Dump) -> str:
     name = str(entry.get("profiling_name", "?"))
     return name.split(":", 1)[1] if ":" in name else name  # "nccl:all_reduce", "gloo:..."
 
 
-def _completed(entry: dict[str, Any], status: dict[str, Any]) -> bool:
+def _completed(entry: Dump, status: Dump) -> bool:
     """Whether a recorded collective has finished. gloo leaves every entry "scheduled" and
     keeps the truth in the process groups' status; NCCL updates the entries."""
     if entry.get("state") == "completed":  # NCCL marks its entries
@@ -87,7 +72,7 @@ def _completed(entry: dict[str, Any], status: dict[str, Any]) -> bool:
     )
 
 
-def summarize(dump: Any, last: int = 3) -> list[str]:
+def summarize(dump: Dump, last: int = 3) -> list[str]:
     """A few lines from one rank's dump: its last collectives, newest last."""
     entries = dump.get("entries", []) if isinstance(dump, dict) else []
     status = dump.get("pg_status") or {} if isinstance(dump, dict) else {}
@@ -103,21 +88,19 @@ def summarize(dump: Any, last: int = 3) -> list[str]:
 def ask(state_dir: Path, rank: int) -> None:
     """Request the process groups' status without waiting (the hang watch reads it at its
     next sample)."""
-    request_file, out = _paths(state_dir, rank, full=False)
-    out.unlink(missing_ok=True)
-    request_file.touch()
+    asking.ask(asking.FLIGHT_STATUS, state_dir, {rank: 0})
 
 
-def answer(state_dir: Path, rank: int) -> Any | None:
+def answer(state_dir: Path, rank: int) -> Dump | None:
     """The dump a rank wrote after `ask`, or None if it has not (yet)."""
-    out = _paths(state_dir, rank, full=False)[1]
+    data = asking.answer(asking.FLIGHT_STATUS, state_dir, rank)
     try:
-        return pickle.loads(out.read_bytes())  # noqa: S301 - written by our own rank
+        return _unpickle(data) if data is not None else None
     except Exception:
         return None
 
 
-def progress_state(dump: Any) -> tuple[int, Any]:
+def progress_state(dump: Dump) -> tuple[int, object]:
     """(completed collectives, what is pending or None): the completed count grows while the
     rank makes progress; the same pending value at two polls means it waits there. From the
     process groups' status when the dump has it, else from its entries."""
@@ -138,7 +121,7 @@ def progress_state(dump: Any) -> tuple[int, Any]:
     return max(ended, default=-1), min(unfinished, default=None)
 
 
-def pending(dump: Any) -> str | None:
+def pending(dump: Dump) -> str | None:
     """The oldest collective this rank issued that has not completed, if any, with its backend:
     'nccl:all_reduce #6 (scheduled)'."""
     entries = dump.get("entries", []) if isinstance(dump, dict) else []

@@ -15,15 +15,16 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from ddpkit.common import protocol
 from ddpkit.common.frames import is_bootstrap, is_framework, is_library, torch_module
 from ddpkit.common.ranges import ranks_text
+from ddpkit.launch import asking
 from ddpkit.launch.hang import flight
 from ddpkit.launch.hang.mismatch import Call
+from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.wait import Wait
 
 GIL_STALE = 5.0  # seconds without a tick from a live, unstopped rank: C code holds its GIL
@@ -34,26 +35,9 @@ def dump_stacks(
 ) -> dict[int, str]:
     """Ask each rank (rank -> pid) for its stacks; return rank -> the text it wrote (what came
     within `seconds`, or before `wait` gave up)."""
-    sizes = {}
-    for rank, pid in pids.items():
-        path = protocol.state_path(state_dir, rank, protocol.STACKS)
-        sizes[rank] = path.stat().st_size if path.exists() else 0
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, protocol.STACKS_SIGNAL)
-    texts: dict[int, str] = {}
-
-    def read_answers() -> bool:
-        for rank in pids:
-            path = protocol.state_path(state_dir, rank, protocol.STACKS)
-            if rank not in texts and path.exists() and path.stat().st_size > sizes[rank]:
-                time.sleep(0.1)  # let faulthandler finish writing
-                with path.open() as f:
-                    f.seek(sizes[rank])
-                    texts[rank] = f.read()
-        return len(texts) == len(pids)
-
-    wait.until(read_answers, seconds, poll=0.1)
-    return texts
+    return asking.collect(
+        asking.STACKS, state_dir, pids, wait, seconds, lambda b: b.decode(errors="replace")
+    )
 
 
 @dataclass(frozen=True)
@@ -239,8 +223,7 @@ class Evidence:
 
 
 def collect(
-    workers: list[Any],
-    state_dir: Path,
+    snap: Snapshot,
     hung: bool | set[int] = True,
     wait: Wait | None = None,
 ) -> tuple[dict[int, tuple[str, str]], str]:
@@ -248,23 +231,19 @@ def collect(
     each rank's stack, then the evidence beside it (its progress record, its flight recorder).
     hung=False reads a live job (`ddpkit stacks`): a rank in backward computes there; a set
     names the ranks that are known to wait."""
-    found = evidence(workers, state_dir, hung, wait)
+    found = evidence(snap, hung, wait)
     return found.places, found.details
 
 
 def evidence(
-    workers: list[Any],
-    state_dir: Path,
+    snap: Snapshot,
     hung: bool | set[int] = True,
     wait: Wait | None = None,
 ) -> Evidence:
     """`collect`, with the collective each waiting rank is in (for `mismatch.find`)."""
-    alive = {w.rank: w.proc.pid for w in workers if w.exit_code is None}
-    states = {
-        w.rank: process_state(w.proc.pid, protocol.read_record(state_dir, w.rank))
-        for w in workers
-        if w.rank in alive
-    }
+    state_dir = snap.state_dir
+    alive = {v.rank: v.pid for v in snap.running}
+    states = {v.rank: process_state(v.pid, v.record) for v in snap.running}
     # a stopped rank answers nothing, and one stuck holding the GIL only faulthandler's (C)
     # stack request: nobody waits for answers that cannot come
     answering = {r: pid for r, pid in alive.items() if not _stopped(states[r])}
@@ -277,8 +256,8 @@ def evidence(
     ]
     recorded = flight.request(served, state_dir, wait) if served and not wait.cancelled else {}
     places, details, calls = {}, [], {}
-    for w in workers:
-        record = protocol.read_record(state_dir, w.rank)
+    for w in snap.ranks:
+        record = w.record
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
         in_flight = flight.pending(recorded[w.rank]) if w.rank in recorded else None
         state = states.get(w.rank)
@@ -315,7 +294,7 @@ def evidence(
 
 
 def waiting_call(
-    rank: int, what: str, site: str, record: protocol.Record | None, dump: Any
+    rank: int, what: str, site: str, record: protocol.Record | None, dump: flight.Dump | None
 ) -> Call | None:
     """The collective a rank waits in, with its shapes (progress record) and sequence number
     (flight recorder) where they say the same collective."""
@@ -347,14 +326,13 @@ def calls_of(places: dict[int, tuple[str, str]], local: dict[int, Call]) -> list
 
 
 def describe(
-    workers: list[Any],
-    state_dir: Path,
+    snap: Snapshot,
     stall: float,
     hung: bool = True,
     wait: Wait | None = None,
 ) -> tuple[str, str]:
     """(verdict line, details with per-rank stacks) for this node's ranks."""
-    places, details = collect(workers, state_dir, hung, wait)
+    places, details = collect(snap, hung, wait)
     if not hung:
         return verdict(places), details
     return f"no rank made progress for {stall:.0f} s: {verdict(places)}", details
@@ -431,8 +409,7 @@ def _tracer(pid: int) -> str:
 
 
 def long_wait_note(
-    workers: list[Any],
-    state_dir: Path,
+    snap: Snapshot,
     waiting: list[int],
     working: list[int],
     began: float,
@@ -440,12 +417,12 @@ def long_wait_note(
 ) -> str:
     """What to say, once, when ranks have waited long for others that still work: who waits
     where, who works where, and when the process group's own timeout would end the job."""
-    places, _ = collect(workers, state_dir, hung=set(waiting), wait=wait)
+    places, _ = collect(snap, hung=set(waiting), wait=wait)
     waited = time.time() - began
     who = verdict({r: places[r] for r in waiting})
     busy = verdict({r: places[r] for r in working})
     line = f"{who}, for {waited:.0f} s now; {busy}, still working: not a hang, the job goes on."
-    group = next((g for r in waiting if (g := protocol.read_group(state_dir, r))), None)
+    group = next((v.group for v in snap.only(waiting) if v.group is not None), None)
     if group is not None:
         backend, timeout = group
         ends = began + timeout

@@ -14,18 +14,18 @@ the rank is blocked in C code.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import psutil
-
-from ddpkit.common import procs, protocol
+from ddpkit.common import protocol
 from ddpkit.launch.hang import flight, places
 from ddpkit.launch.hang.places import GIL_STALE
-from ddpkit.launch.report import HANG_EXIT_CODE  # noqa: F401 - where callers find it
+from ddpkit.launch.peers.peers import Peers
+from ddpkit.launch.snapshot import RankView, Snapshot
+
+log = logging.getLogger(__name__)
 
 BUSY_SHARE = 0.10
 IO_BYTES_PER_S = 64 * 1024  # a process tree reading or writing this much per second is busy
@@ -44,7 +44,7 @@ class RankState:
     last_compute: float = field(default_factory=time.monotonic)  # progress other than I/O
     io_since: int = 0  # bytes moved since last_compute
     said_io: bool = False
-    nccl: tuple[int, int | None] | None = None  # (last completed seq, oldest pending seq)
+    nccl: tuple[int, object] | None = None  # (last completed seq, oldest pending seq)
     stuck_in_nccl: bool = False
     backend: str | None = None  # its process group's, read once the rank wrote it
     said_prompt: bool = False  # its debugger prompt was said (once per visit)
@@ -60,14 +60,14 @@ class Waits:
 
 
 class HangWatch:
-    """Samples every rank once a second; `hung()` says when no rank progressed for `timeout`."""
+    """Judges every sampled snapshot (once a second); `hung()` says when no rank progressed
+    for `timeout`."""
 
-    def __init__(self, workers: list[Any], state_dir: Path, timeout: float, peers: Any) -> None:
-        self.workers = workers
-        self.state_dir = state_dir
+    def __init__(self, state_dir: Path, timeout: float, peers: Peers) -> None:
+        self.state_dir = state_dir  # where the flight recorders are asked and answer
         self.timeout = timeout
-        self.ranks = {w.rank: RankState() for w in workers}
-        self.next_sample = 0.0
+        self.ranks: dict[int, RankState] = {}
+        self.last_sample = 0.0  # monotonic time of the last sampled snapshot judged
         self.next_flight = 0.0
         # progress is told to the peers (the other nodes), and only the leading node (node 0,
         # or the only one) decides, from every node's progress
@@ -75,23 +75,24 @@ class HangWatch:
         self.notes: list[str] = []  # what the watch saw that the user should know (printed)
         self.waits: Waits | None = None  # a long wait for a working rank, to be described
         self.said_wait = False
+        self.group: tuple[str, float] | None = None  # the process group's, once known
 
-    def hung(self, now: float) -> bool:
-        if self.timeout <= 0 or now < self.next_sample:
+    def hung(self, snap: Snapshot) -> bool:
+        if self.timeout <= 0 or not snap.sampled:
             return False
-        interval = now - (self.next_sample - SAMPLE_EVERY) if self.next_sample else SAMPLE_EVERY
-        self.next_sample = now + SAMPLE_EVERY
+        now = snap.mono
+        interval = now - self.last_sample if self.last_sample else SAMPLE_EVERY
+        self.last_sample = now
+        self.group = self.group or snap.group()
+        for v in snap.ranks:
+            self.ranks.setdefault(v.rank, RankState())
         if now >= self.next_flight:
             self.next_flight = now + FLIGHT_EVERY
-            self._poll_flight_recorders(now)
-        for w in self.workers:
-            state = self.ranks[w.rank]
-            record = protocol.read_record(self.state_dir, w.rank)
-            if w.exit_code is None:
-                cpu, io, rss = tree_usage(w.proc.pid)
-                w.rss = rss or w.rss
-            else:
-                cpu, io = state.cpu, state.io
+            self._poll_flight_recorders(snap)
+        for v in snap.ranks:
+            state = self.ranks[v.rank]
+            record = v.record
+            cpu, io = (v.cpu, v.io) if v.alive else (state.cpu, state.io)
             previous = state.record
             advanced = record is not None and (
                 previous is None
@@ -101,8 +102,8 @@ class HangWatch:
             inside = (record is not None and record.in_collective) or state.stuck_in_nccl
             # CPU burnt while C code holds the GIL (no Python thread runs) is no progress, nor
             # CPU spun in CUDA's wait for a GPU that never finishes
-            held = holds_gil(self.state_dir, w.rank, record)
-            on_gpu = w.exit_code is None and places.gpu_wait(record) is not None
+            held = holds_gil(v, snap.wall)
+            on_gpu = v.alive and places.gpu_wait(record) is not None
             busy = (
                 state.cpu >= 0
                 and not inside
@@ -111,9 +112,9 @@ class HangWatch:
                 and cpu - state.cpu >= BUSY_SHARE * interval
             )
             moved = io - state.io if state.io >= 0 else 0
-            prompt = record is not None and record.prompt and w.exit_code is None
+            prompt = record is not None and record.prompt and v.alive
             if prompt:  # a person is debugging this rank: the job waits for them, not hung
-                self._say_prompt(w.rank, state)
+                self._say_prompt(v)
             state.said_prompt = state.said_prompt and prompt
             if advanced or busy or prompt:
                 state.last_progress = state.last_compute = now
@@ -121,11 +122,12 @@ class HangWatch:
             elif moved >= IO_BYTES_PER_S * interval:  # a download, a dataset being written
                 state.last_progress = now
                 state.io_since += moved
-                self._say_io(w.rank, state, now)
+                self._say_io(v.rank, state, now)
             state.cpu, state.io, state.record = cpu, io, record
         if any(s.last_progress >= now for s in self.ranks.values()):
             self.peers.progressed()
         if self.peers.leads and self.stalled_for(now) >= self.timeout:
+            log.debug("no rank made progress for %.0f s: hung", self.stalled_for(now))
             return True
         self._watch_waits(now)  # this node's ranks, on every node
         return False
@@ -144,17 +146,14 @@ class HangWatch:
             self.said_wait = True
             began = time.time() - max(quiet[r] for r in waiting)
             self.waits = Waits(sorted(waiting), sorted(working), began)
+            log.debug("ranks %s wait while ranks %s work: a long wait", waiting, working)
 
     def _wait_threshold(self) -> float:
         """--hang-timeout, or half the process group's timeout when that is shorter, so the
         note comes before the group's own timeout ends the job."""
-        group = next(
-            (g for w in self.workers if (g := protocol.read_group(self.state_dir, w.rank))),
-            None,
-        )
-        if group is None:
+        if self.group is None:
             return self.timeout
-        return min(self.timeout, group[1] / 2)
+        return min(self.timeout, self.group[1] / 2)
 
     def _say_io(self, rank: int, state: RankState, now: float) -> None:
         """Once per stretch: a rank kept alive only by its I/O, where the watch would have
@@ -167,40 +166,40 @@ class HangWatch:
                 f"read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
             )
 
-    def _say_prompt(self, rank: int, state: RankState) -> None:
+    def _say_prompt(self, view: RankView) -> None:
+        state = self.ranks[view.rank]
         if state.said_prompt:
             return
         state.said_prompt = True
-        group = protocol.read_group(self.state_dir, rank)
+        group = view.group or self.group
         ends = f" ({group[0]}, {group[1]:g} s)" if group else ""
         self.notes.append(
-            f"rank {rank} is at a debugger prompt (pdb): not a hang; the hang watch leaves the "
-            f"job alone while it is there and the other ranks wait for it (the process group's "
-            f"timeout{ends} still ends the job if the session outlasts it)"
+            f"rank {view.rank} is at a debugger prompt (pdb): not a hang; the hang watch leaves "
+            f"the job alone while it is there and the other ranks wait for it (the process "
+            f"group's timeout{ends} still ends the job if the session outlasts it)"
         )
 
     def _local_stall(self, now: float) -> float:
-        return min(now - s.last_progress for s in self.ranks.values())
+        return min((now - s.last_progress for s in self.ranks.values()), default=0.0)
 
-    def _poll_flight_recorders(self, now: float) -> None:
+    def _poll_flight_recorders(self, snap: Snapshot) -> None:
         """NCCL calls return at once and the rank then spins at its next sync, so CPU time
         says nothing: completed sequence numbers advancing is progress, and the same
         collective pending at two polls in a row means the rank is waiting in it."""
-        for w in self.workers:
-            if w.exit_code is not None or not flight.ready_file(self.state_dir, w.rank).exists():
+        for v in snap.running:
+            if not flight.ready_file(self.state_dir, v.rank).exists():
                 continue
-            state = self.ranks[w.rank]
-            dump = flight.answer(self.state_dir, w.rank)
+            state = self.ranks[v.rank]
+            dump = flight.answer(self.state_dir, v.rank)
             if dump is not None:
                 seen = flight.progress_state(dump)
                 if state.nccl is not None and seen[0] > state.nccl[0]:
-                    state.last_progress = now
-                if state.backend is None:
-                    group = protocol.read_group(self.state_dir, w.rank)
-                    state.backend = group[0] if group else None
+                    state.last_progress = snap.mono
+                if state.backend is None and v.group is not None:
+                    state.backend = v.group[0]
                 state.stuck_in_nccl = waits_in_flight(state.backend, state.nccl, seen)
                 state.nccl = seen
-            flight.ask(self.state_dir, w.rank)
+            flight.ask(self.state_dir, v.rank)
 
     def stalled_for(self, now: float) -> float:
         local = self._local_stall(now)
@@ -209,7 +208,7 @@ class HangWatch:
 
 
 def waits_in_flight(
-    backend: str | None, before: tuple[int, Any] | None, seen: tuple[int, Any]
+    backend: str | None, before: tuple[int, object] | None, seen: tuple[int, object]
 ) -> bool:
     """A rank waits in a collective by its flight recorder: the same collective pending at two
     polls in a row, none completed between them. NCCL ranks only: gloo's recorder can count a
@@ -219,31 +218,10 @@ def waits_in_flight(
     return backend == "nccl" and before is not None and seen[1] is not None and seen == before
 
 
-def holds_gil(state_dir: Path, rank: int, record: protocol.Record | None) -> bool:
+def holds_gil(view: RankView, now: float) -> bool:
     """The rank's tick thread has not run for GIL_STALE s since it joined the job (start-up is
     left out: loading torch's libraries holds the GIL for seconds on a loaded machine)."""
-    if record is None or not record.ticked or time.time() - record.ticked <= GIL_STALE:
+    record = view.record
+    if record is None or not record.ticked or now - record.ticked <= GIL_STALE:
         return False
-    return protocol.read_phase(state_dir, rank)[0] in ("init", "ready")
-
-
-def tree_usage(pid: int) -> tuple[float, int, int]:
-    """(CPU seconds, bytes read and written, bytes resident) of a process and its
-    descendants. Bytes moved are what their read and write calls moved (files, pipes; not
-    sockets)."""
-    cpu, io, rss = 0.0, 0, 0
-    try:
-        for proc in procs.tree(pid):
-            with contextlib.suppress(psutil.Error):
-                times = proc.cpu_times()
-                cpu += times.user + times.system
-            with contextlib.suppress(psutil.Error, AttributeError):
-                counters = proc.io_counters()
-                io += getattr(counters, "read_chars", counters.read_bytes) + getattr(
-                    counters, "write_chars", counters.write_bytes
-                )
-            with contextlib.suppress(psutil.Error):
-                rss += proc.memory_info().rss
-    except psutil.Error:
-        pass
-    return cpu, io, rss
+    return view.phase in ("init", "ready")

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.common import nccl_transport, procs, protocol
+from ddpkit.launch.peers.peers import NoPeers, Peers
+from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.speed import evidence, straggler
 from ddpkit.launch.speed.memory import MemoryWatch
 from ddpkit.launch.speed.straggler import Finding, RankSummary
@@ -86,22 +88,17 @@ class Track:
 class SpeedWatch:
     def __init__(
         self,
-        workers: list[Any],
-        state_dir: Path,
         run_dir: Path,
         threshold: float = DEFAULT_THRESHOLD,
         window: int = DEFAULT_WINDOW,
         host: str = "",
-        peers: Any = None,
+        peers: Peers | None = None,
     ) -> None:
-        self.state_dir, self.run_dir = state_dir, run_dir
+        self.run_dir = run_dir
         self.threshold, self.window = threshold, window
         self.host = host or os.uname().nodename
-        from ddpkit.launch.peers.peers import NoPeers
-
-        self.peers = peers if peers is not None else NoPeers()  # the job's other nodes
-        self.tracks = {w.rank: Track(w.rank, w.proc.pid, window) for w in workers}
-        self.workers = {w.rank: w for w in workers}
+        self.peers: Peers = peers if peers is not None else NoPeers()  # the job's other nodes
+        self.tracks: dict[int, Track] = {}
         self.memory = MemoryWatch()  # the memory doctor's figures and notes
         self.episodes = straggler.Episodes(threshold)
         self.notes: list[str] = []
@@ -113,12 +110,16 @@ class SpeedWatch:
         self.history: list[dict[str, Any]] = []  # episodes, for speed.json
         self.transport: str | None = None  # NCCL's, once its log says it is connected
 
+    def watch(self, pids: dict[int, int]) -> None:
+        """The ranks of this node to follow (rank -> pid), once they started."""
+        self.tracks = {rank: Track(rank, pid, self.window) for rank, pid in pids.items()}
+
     # -- while the job runs ---------------------------------------------------------------
 
-    def sample(self, now: float) -> None:
-        if now >= self.next_read:
-            self.next_read = now + 1.0
-            self._read()
+    def sample(self, snap: Snapshot) -> None:
+        now = snap.mono
+        if snap.stepped:
+            self._take(snap)
         if now >= self.next_eval:
             self.next_eval = now + EVALUATE_EVERY
             self._evaluate()
@@ -126,16 +127,17 @@ class SpeedWatch:
             self.next_live = now + LIVE_EVERY
             self._write_live()
 
-    def _read(self) -> None:
-        for track in self.tracks.values():
-            record = protocol.read_steps(self.state_dir, track.rank, track.read)
-            if record is None:
+    def _take(self, snap: Snapshot) -> None:
+        """The steps each rank wrote since the last read (the snapshot read them)."""
+        for view in snap.ranks:
+            record, track = view.steps, self.tracks.get(view.rank)
+            if record is None or track is None:
                 continue
             track.gpu = record.gpu
             track.take(record.steps)
             track.read = record.count
-            rss = getattr(self.workers.get(track.rank), "rss", 0)
-            self.memory.take(track.rank, record.count, record.memory if record.gpu else None, rss)
+            memory = record.memory if record.gpu else None
+            self.memory.take(view.rank, record.count, memory, view.rss)
         self.memory.look()
         self.notes.extend(self.memory.notes)
         self.memory.notes.clear()
@@ -254,10 +256,11 @@ class SpeedWatch:
 
     # -- at the end -----------------------------------------------------------------------
 
-    def finish(self) -> str:
+    def finish(self, last: Snapshot) -> str:
         """The job's per-rank summary (text for the console, "" for a job of a few steps);
-        speed.json and steps.png in the run folder."""
-        self._read()
+        speed.json and steps.png in the run folder. `last`: the ranks as they ended, with the
+        steps they wrote since the last look."""
+        self._take(last)
         self._check_transport()  # a short job may end before an evaluation read it
         self.gpus.close()
         rows = []

@@ -1,0 +1,170 @@
+"""What each verdict of the launcher makes: the outcome, with the evidence its report needs.
+
+`COLLECTORS` is the table the supervisor consults when the step function says `Collect(verdict)`:
+a verdict's collector waits for nothing it does not need (a stop signal cuts every wait short),
+asks the ranks only what the report shows (their stacks in a hang, the places of live ranks a
+failed rank waited for) and reads the ranks only through snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpkit.launch import causes, observe, report
+from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.decide import Verdict
+from ddpkit.launch.hang import blame, mismatch, places
+from ddpkit.launch.output import CONSOLE
+from ddpkit.launch.peers.liveness import BEAT, Abort
+from ddpkit.launch.peers.peers import Peers, wait_for_word
+from ddpkit.launch.snapshot import Reader, Snapshot
+from ddpkit.launch.wait import Wait
+from ddpkit.launch.worker import Signals, Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Scene:
+    """What the collectors look at: the job's settings, its signals, this attempt's ranks."""
+
+    cfg: LaunchConfig
+    signals: Signals
+    workers: list[Worker]
+    reader: Reader
+    peers: Peers
+    growth: Callable[[int], str | None]  # the memory doctor's growth line for a rank
+    stall: float = 0.0  # seconds no rank made progress (the hang watch's)
+
+    @property
+    def wait(self) -> Wait:
+        return Wait(self.interrupted)
+
+    def interrupted(self) -> str | None:
+        """Why to give up a wait: a stop signal the launcher got."""
+        return signal.Signals(self.signals.last).name if self.signals.count else None
+
+    def look(self, steps: bool | None = False, usage: bool | None = False) -> Snapshot:
+        """Reap the workers that exited and look at every rank. A rank stuck after its error
+        (while none exited non-zero) counts as exited with the code it chose."""
+        observe.reap(self.workers)
+        snap = self.reader.look(self.workers, steps=steps, usage=usage)
+        if not snap.exited_nonzero and observe.mark_stuck(self.workers, snap):
+            snap = self.reader.look(self.workers, steps=steps, usage=False)
+        return snap
+
+
+def interrupted(scene: Scene) -> report.Outcome:
+    name = signal.Signals(scene.signals.last).name
+    return report.Outcome.interrupted_by(name, 128 + scene.signals.last)
+
+
+def rank_failed(scene: Scene) -> report.Outcome:
+    """The root cause among the ranks that failed (settled), or the rank they waited for, or
+    another node's word when every failed rank lost a peer."""
+    snap = scene.look(steps=True)
+    outcome = report.Outcome.rank_failed(snap, causes.OomWatch(), scene.growth)
+
+    def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
+        alive = scene.look()
+        return places.collect(
+            Snapshot(alive.only(ranks), alive.wall, alive.mono, alive.state_dir),
+            hung=False,
+            wait=scene.wait,
+        )[0]
+
+    culprit = blame.find_culprit(snap, places_of)
+    log.debug("failed ranks %s; root cause rank %s", observe.failed(snap), outcome.root_rank)
+    if culprit is not None:
+        log.debug("they waited for rank %d: it is the root cause", culprit.rank)
+        outcome.blame(culprit, snap)
+    if scene.peers.multi_node and outcome.victim:  # the cause may be another node's
+        word = wait_for_word(scene.peers, scene.wait, scene.cfg.node_timeout + BEAT)
+        if isinstance(word, Abort):
+            return report.Outcome.other_node(word)
+        if isinstance(word, str):
+            return report.Outcome.node_lost(word)
+    return outcome
+
+
+def console_closed(scene: Scene) -> report.Outcome:
+    return report.Outcome.launcher_failure(f"{CONSOLE.closed}; the job is stopped")
+
+
+def other_node(scene: Scene) -> report.Outcome:
+    word = scene.peers.word()
+    if word is None:  # said, then taken back (a membership change already handled)
+        return report.Outcome.node_lost(scene.peers.lost() or "another node stopped the job")
+    return report.Outcome.other_node(word)
+
+
+def node_lost(scene: Scene) -> report.Outcome:
+    return report.Outcome.node_lost(scene.peers.lost() or "a node is gone")
+
+
+def success(scene: Scene) -> report.Outcome:
+    return report.Outcome.success()
+
+
+def hung(scene: Scene) -> report.Outcome:
+    """The hang report: every rank's place (every node's, from node 0). A stop signal while it
+    is collected cuts its waits short, so the launcher still ends within its grace."""
+    found = places.evidence(scene.look(), wait=scene.wait)
+    every, hosts, details = scene.peers.places_everywhere(
+        found.places, found.details, scene.cfg.nproc_per_node, scene.wait
+    )
+    line = f"no rank made progress for {scene.stall:.0f} s: {places.verdict(every, hosts)}"
+    if scene.signals.count:
+        return interrupted(scene)
+    calls = places.calls_of(every, found.calls)
+    differ = mismatch.find(calls) if calls else None
+    if differ is not None:  # no timeout fixes that: say which calls differ, and where
+        outcome = report.Outcome.hang(
+            f"{differ.line} (no rank made progress for {scene.stall:.0f} s)", details, 0
+        )
+        outcome.fix = mismatch.fix_line(differ, script_roots(scene.cfg))
+        return outcome
+    return report.Outcome.hang(line, details, scene.cfg.hang_timeout)
+
+
+def missing_at_init(scene: Scene) -> report.Outcome:
+    """Ranks that never reached init while others waited there (or every rank in an init that
+    never completed): where the missing ranks are instead, as the hang doctor shows them."""
+    snap = scene.look()
+    missing = observe.missing_at_init(snap, scene.cfg.init_timeout)
+    outcome = report.Outcome.launcher_failure(missing or "a rank never reached init")
+    absent = snap.only(v.rank for v in snap.ranks if v.absent) or snap.ranks
+    shown = Snapshot(absent, snap.wall, snap.mono, snap.state_dir)
+    outcome.details = places.collect(shown, False, scene.wait)[1]
+    if not missing or missing.startswith("init_process_group did not complete"):
+        outcome.fix = (
+            "let ddpkit run give init its world size, rank and address (init_process_group("
+            "backend) alone, or ddpkit.setup()); a script's own store or init_method='file://"
+            "...' must be the same for every rank and fresh; raise --init-timeout if init is "
+            "this slow at this scale"
+        )
+    return outcome
+
+
+COLLECTORS: dict[Verdict, Callable[[Scene], report.Outcome]] = {
+    Verdict.INTERRUPTED: interrupted,
+    Verdict.RANK_FAILED: rank_failed,
+    Verdict.CONSOLE_CLOSED: console_closed,
+    Verdict.OTHER_NODE: other_node,
+    Verdict.NODE_LOST: node_lost,
+    Verdict.SUCCESS: success,
+    Verdict.HUNG: hung,
+    Verdict.MISSING_AT_INIT: missing_at_init,
+}
+
+
+def script_roots(cfg: LaunchConfig) -> list[Path]:
+    """Where the script's files are: its folder, and the folder the job started in."""
+    roots = [Path.cwd()]
+    if cfg.kind == "script":
+        roots.insert(0, Path(cfg.target).resolve().parent)
+    return roots
