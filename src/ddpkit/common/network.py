@@ -36,7 +36,7 @@ def interface_of(address: str) -> str:
 
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == address for a in addrs):
-            return name
+            return str(name)
     return "?"
 
 

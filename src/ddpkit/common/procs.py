@@ -76,7 +76,7 @@ def job_of(environ: dict[str, str]) -> str | None:
 
 def _environ(proc: psutil.Process) -> dict[str, str]:
     try:
-        return proc.environ()
+        return dict(proc.environ())
     except (psutil.Error, OSError):
         return {}
 
@@ -311,7 +311,7 @@ def is_alive(proc: psutil.Process) -> bool:
     """Running and not a zombie (a zombie has exited; its parent has yet to reap it). Never
     reaps: the launcher's Popen objects must see their workers' exit codes."""
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 

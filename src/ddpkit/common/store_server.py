@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported only when a server is made
+    from torch._C._distributed_c10d import TCPStore
 
 
-def serve_fd(fd: int, addr: str, port: int, timeout: float, multi_tenant: bool = False) -> Any:
+def serve_fd(fd: int, addr: str, port: int, timeout: float, multi_tenant: bool = False) -> TCPStore:
     """A TCPStore server on the listening socket `fd` (left open: the caller closes it)."""
     import torch.distributed as dist
 
@@ -25,7 +28,7 @@ def serve_fd(fd: int, addr: str, port: int, timeout: float, multi_tenant: bool =
     for use_libuv in (True, False) if _torch_at_least(2, 8) else (False,):
         attempt = os.dup(fd)
         try:
-            return dist.TCPStore(
+            return dist.TCPStore(  # type: ignore[attr-defined]
                 addr,
                 port,
                 None,

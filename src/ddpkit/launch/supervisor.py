@@ -40,7 +40,7 @@ from pathlib import Path
 from ddpkit.errors import debug_enabled
 from ddpkit.launch import lifecycle, outcomes, report, rundir, watchdog
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.decide import Attempt, Next, after_attempt
+from ddpkit.launch.decide import Attempt, Next, Verdict, after_attempt
 from ddpkit.launch.hang import places
 from ddpkit.launch.hang.watch import HangWatch
 from ddpkit.launch.lifecycle import Events, Phase, State
@@ -263,9 +263,7 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
         time.sleep(job.cfg.torchrun.monitor_interval)
 
 
-def _collect_and_stop(
-    job: Job, running: Running, verdict: lifecycle.Verdict, attempt: int
-) -> report.Outcome:
+def _collect_and_stop(job: Job, running: Running, verdict: Verdict, attempt: int) -> report.Outcome:
     """The verdict's outcome (its collector), then every process of the attempt ended, the
     speed doctor's summary, and the report."""
     cfg, node, scene = job.cfg, job.node, running.scene

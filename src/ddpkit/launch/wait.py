@@ -11,9 +11,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 POLL = 0.05  # seconds between looks
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,23 +52,24 @@ class Wait:
                 return Waited(False, "timeout")
             time.sleep(min(poll, left))
 
-    def call(self, fn: Callable[[], Any], seconds: float) -> tuple[Waited, Any]:
+    def call(self, fn: Callable[[], T], seconds: float) -> tuple[Waited, T | None]:
         """Run a blocking call on a thread and wait for it as `until` does; (how it ended, its
         result). An exception the call raised is raised here; a call given up on is left to
         finish on its daemon thread."""
-        box: dict[str, Any] = {}
+        box: dict[str, T] = {}
+        failed: list[BaseException] = []
 
         def run() -> None:
             try:
                 box["result"] = fn()
             except BaseException as err:  # handed to the caller
-                box["error"] = err
+                failed.append(err)
 
         thread = threading.Thread(target=run, daemon=True, name="ddpkit-wait")
         thread.start()
         waited = self.until(lambda: not thread.is_alive(), seconds)
-        if "error" in box:
-            raise box["error"]
+        if failed:
+            raise failed[0]
         return waited, box.get("result")
 
 

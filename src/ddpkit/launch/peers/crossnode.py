@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from typing import Any
 
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.peers import keys
@@ -119,7 +120,7 @@ def collect_places(
     details = [f"  node 0 ({node.host_of(0)}):", own_details]
     assert node.store is not None
     waiting = set(range(1, node.nnodes))
-    answers: dict[int, dict] = {}
+    answers: dict[int, dict[str, Any]] = {}
 
     def every_node_answered() -> bool:
         for n in sorted(waiting):

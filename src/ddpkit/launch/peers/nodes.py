@@ -21,7 +21,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ddpkit.common.network import address_toward, is_loopback
 from ddpkit.errors import ConfigError, LaunchError
@@ -30,6 +30,10 @@ from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded, serve
 from ddpkit.launch.ports import listen
 from ddpkit.launch.wait import Wait
+
+if TYPE_CHECKING:  # torch is imported only when a store or a rendezvous is made
+    from torch._C._distributed_c10d import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 CALL_LIMIT = 5.0  # seconds any one launcher store call may take once the job runs
 
@@ -46,11 +50,11 @@ class NodeGroup:
     round: int = 0
     hosts: list[str] = field(default_factory=list)  # hostname of each node, by node rank
     store: BoundedStore | None = None  # this thread's client of the job's store (several nodes)
-    server: Any = None  # the job's TCPStore, on the node that serves it
+    server: TCPStore | None = None  # the job's TCPStore, on the node that serves it
     held: socket.socket | None = None  # a single node's listening socket, not yet a store
-    rendezvous: Any = None  # torch elastic's handler, with --rdzv
+    rendezvous: RendezvousHandler | None = None  # torch elastic's handler, with --rdzv
     rdzv_host: str = ""
-    kept: list[Any] = field(default_factory=list)  # stores of earlier rounds, kept to the end
+    kept: list[TCPStore] = field(default_factory=list)  # stores of earlier rounds, kept to the end
 
     @property
     def multi_node(self) -> bool:
@@ -107,7 +111,11 @@ def join(cfg: LaunchConfig) -> NodeGroup:
     return _join_static(cfg)
 
 
-def join_rdzv(cfg: LaunchConfig, rendezvous: Any, kept: list[Any] | None = None) -> NodeGroup:
+def join_rdzv(
+    cfg: LaunchConfig,
+    rendezvous: RendezvousHandler | None,
+    kept: list[TCPStore] | None = None,
+) -> NodeGroup:
     """A round of torch elastic's c10d rendezvous; node 0 then serves the job's store and
     publishes where, in the rendezvous store, as torch elastic's bootstrap store info does."""
     assert cfg.rdzv is not None
@@ -124,8 +132,9 @@ def join_rdzv(cfg: LaunchConfig, rendezvous: Any, kept: list[Any] | None = None)
             fix="start `ddpkit run` with the same --nnodes and --rdzv on every node, and "
             "check that HOST:PORT is reachable from each",
         ) from err
+    # torch < 2.3 returns (store, rank, world size); later a RendezvousInfo
     rdzv_store, rank, world = (
-        (info.store, info.rank, info.world_size) if hasattr(info, "store") else info
+        (info.store, info.rank, info.world_size) if hasattr(info, "store") else info  # type: ignore[misc]
     )
     round_ = _round_of(rendezvous)
     key = "ddpkit/job"  # the rendezvous store torch hands out is already this round's
@@ -242,7 +251,7 @@ def _register(node: NodeGroup, cfg: LaunchConfig, deadline: float) -> None:
     node.hosts, node.store = hosts, store
 
 
-def _round_of(rendezvous: Any) -> int:
+def _round_of(rendezvous: RendezvousHandler) -> int:
     """The rendezvous round (the same number on every node of it), where torch tells it."""
     state = getattr(getattr(rendezvous, "_state_holder", None), "state", None)
     return int(getattr(state, "round", 0))
@@ -300,7 +309,7 @@ def _cause(err: BaseException) -> str:
     return text[:200]
 
 
-def _rendezvous_handler(cfg: LaunchConfig) -> Any:
+def _rendezvous_handler(cfg: LaunchConfig) -> RendezvousHandler:
     # torch >= 2.5 also serves a second store from node 0 unless told not to; ddpkit has its own
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.rendezvous import RendezvousParameters

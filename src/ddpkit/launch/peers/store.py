@@ -19,33 +19,40 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ddpkit.common.store_server import serve_fd
+
+if TYPE_CHECKING:  # the launcher imports torch only when it serves or dials a store
+    from torch._C._distributed_c10d import TCPStore
+
+T = TypeVar("T")
 
 
 class StoreUnreachableError(Exception):
     """A store call did not answer within its bound, or the store refused the connection."""
 
 
-def bounded(fn: Callable[[], Any], limit: float, what: str) -> Any:
-    box: dict[str, Any] = {}
+def bounded(fn: Callable[[], T], limit: float, what: str) -> T:
+    """`fn()` on a daemon thread, given at most `limit` s (StoreUnreachableError beyond)."""
+    values: list[T] = []
+    errors: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["value"] = fn()
+            values.append(fn())
         except BaseException as err:  # handed to the caller
-            box["error"] = err
+            errors.append(err)
 
     thread = threading.Thread(target=target, daemon=True, name=f"ddpkit-store-{what}")
     thread.start()
     thread.join(limit)
     if thread.is_alive():
         raise StoreUnreachableError(f"{what} did not answer within {limit:g} s")
-    if "error" in box:
-        err = box["error"]
+    if errors:
+        err = errors[0]
         raise StoreUnreachableError(f"{what} failed: {type(err).__name__}: {err}") from err
-    return box.get("value")
+    return values[0]
 
 
 class BoundedStore:
@@ -54,7 +61,7 @@ class BoundedStore:
 
     def __init__(self, addr: str, port: int, limit: float, prefix: str = "") -> None:
         self.addr, self.port, self.limit, self.prefix = addr, port, limit, prefix
-        self._client: Any = None
+        self._client: TCPStore | None = None
         # whether the latest call failed: a launcher in a hurry does not try again
         self.unreachable = False
 
@@ -62,7 +69,7 @@ class BoundedStore:
     def where(self) -> str:
         return f"{self.addr}:{self.port}"
 
-    def _connected(self) -> Any:
+    def _connected(self) -> TCPStore:
         if self._client is None:
             self._client = connect(self.addr, self.port, self.limit)
         return self._client
@@ -112,14 +119,14 @@ class BoundedStore:
         self._client = None
 
 
-def connect(addr: str, port: int, timeout: float) -> Any:
+def connect(addr: str, port: int, timeout: float) -> TCPStore:
     """A TCPStore client (waits up to `timeout` for the server to accept)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))
+    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))  # type: ignore[attr-defined]
 
 
-def serve(sock: socket.socket, addr: str, timeout: float) -> Any:
+def serve(sock: socket.socket, addr: str, timeout: float) -> TCPStore:
     """A TCPStore server on the listening socket the launcher holds; the socket is handed over."""
     port = sock.getsockname()[1]
     fd = sock.detach()

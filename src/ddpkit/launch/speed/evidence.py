@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -64,7 +65,7 @@ class Gpus:
         except Exception as err:
             debug_note("nvml handle", err)
             return {}
-        reads = {
+        reads: dict[str, Callable[[], object]] = {
             "sm_mhz": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
             "max_sm_mhz": lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM),
             "temp_c": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),

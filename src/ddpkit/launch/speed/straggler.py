@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 PARTS = ("data", "compute", "host")  # the rank's own time; comm is waiting for the others
 IDLE_SHARE = 0.5  # of the step its 'compute' takes: a CPU rank demanding less of a core waits
@@ -39,7 +40,7 @@ class RankSummary:
     other: float  # the host's own time ("host" in the step record)
     total_p90: float = 0.0
     gpu: str = ""  # e.g. "GPU 3"
-    facts: dict = field(
+    facts: dict[str, Any] = field(
         default_factory=dict
     )  # NVML and host evidence (ddpkit.launch.speed.evidence)
 

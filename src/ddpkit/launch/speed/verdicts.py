@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 from ddpkit.launch.speed.memory import describe
@@ -109,7 +110,9 @@ def summary_text(report: dict[str, Any], width: int | None = None) -> str:
     ranks = report["ranks"]
     hosts = len({r["host"] for r in ranks}) > 1
     memory = any(r.get("memory") for r in ranks)
-    columns = [("rank", 4, lambda r: f"{r['rank']}")]
+    columns: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
+        ("rank", 4, lambda r: f"{r['rank']}")
+    ]
     if hosts:
         columns.append(("host", 12, lambda r: r["host"][:12]))
     columns += [

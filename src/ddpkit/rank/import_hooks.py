@@ -1,0 +1,55 @@
+"""Run a function on some of torch's modules right after they are imported (by the script, or
+by `import torch` itself): the init watch, the sampler watch and the step timing hook in there.
+Importing this module imports no torch."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any
+
+
+class ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs a function on some of torch's modules right after they are imported (by the
+    script, or by `import torch` itself), to watch init and time steps. No torch import is
+    triggered by this."""
+
+    def __init__(self) -> None:
+        from ddpkit.rank import init_watch, sampler_watch, steps
+
+        self.targets = {
+            "torch.distributed.distributed_c10d": init_watch.patch_init,
+            "torch.utils.data.distributed": sampler_watch.patch_sampler,
+            "torch.autograd": steps.patch_backward,
+            "torch.optim.optimizer": steps.install_optimizer_hooks,
+            "torch.utils.data.dataloader": steps.patch_dataloader,
+        }
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        after = self.targets.pop(name, None)
+        if after is None:
+            return None
+        if not self.targets:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        inner, then = spec.loader, after
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> ModuleType | None:
+                return inner.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                inner.exec_module(module)
+                try:
+                    then(module)
+                except Exception as err:  # never break the script's import of torch
+                    from ddpkit.errors import debug_note
+
+                    debug_note(f"watching {module.__name__}", err)
+
+        spec.loader = Loader()
+        return spec
