@@ -116,9 +116,17 @@ def write_phase(state_dir: str | Path, rank: int | str, phase: str) -> None:
 def read_phase(state_dir: str | Path, rank: int | str) -> tuple[str, float]:
     """(phase, wall time it began); ("starting", 0.0) before the rank wrote one."""
     try:
-        phase, stamp = state_path(state_dir, rank, PHASE).read_text().split()
+        return phase_of(state_path(state_dir, rank, PHASE).read_bytes())
+    except OSError:
+        return "starting", 0.0
+
+
+def phase_of(raw: bytes) -> tuple[str, float]:
+    """A phase file's (phase, wall time it began); ("starting", 0.0) for one half written."""
+    try:
+        phase, stamp = raw.decode().split()
         return phase, float(stamp)
-    except (OSError, ValueError):
+    except (UnicodeDecodeError, ValueError):
         return "starting", 0.0
 
 
@@ -271,6 +279,11 @@ def read_record(state_dir: str | Path, rank: int | str) -> Record | None:
         raw = state_path(state_dir, rank, PROGRESS).read_bytes()
     except OSError:
         return None
+    return record_of(raw)
+
+
+def record_of(raw: bytes) -> Record | None:
+    """A progress record's fields, or None for a file not yet its size."""
     if len(raw) < RECORD_SIZE:
         return None
     fields = _RECORD.unpack(raw[:RECORD_SIZE])

@@ -5,9 +5,11 @@ and (once a rank failed) its memory facts, plus the steps written since the last
 returns a frozen `Snapshot`. The watches, the decisions, blame and the report take that
 snapshot; none of them reads a rank's file itself (`ddpkit.common.protocol` is read here).
 
-The small files (phase, progress record, error, group, end: tens to hundreds of bytes) are read
-at every look; a rank's memory facts (written once, at an out-of-memory error) only when their
-modification time or size moved; the step rings (40 KiB each) every STEPS_EVERY s.
+The phase and the progress record (what changes while a rank runs) are read at every look; the
+files a rank writes once or twice (its error, group, end, and its memory facts at an
+out-of-memory error) only when their modification time or size moved; the step rings (40 KiB
+each) and the process trees every STEPS_EVERY/USAGE_EVERY s. benchmarks/snapshot_cost.py
+measures what that costs.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class Reader:
         self._steps_read: dict[int, int] = {}
         self._next_steps = self._next_usage = 0.0
         self._rss: dict[int, int] = {}
+        self._paths: dict[tuple[int, str], str] = {}
 
     def look(
         self, workers: list[Worker], steps: bool | None = None, usage: bool | None = None
@@ -149,8 +152,10 @@ class Reader:
         usage: bool,
     ) -> RankView:
         folder = self.state_dir
-        phase, since = protocol.read_phase(folder, rank)
-        error = protocol.read_error(folder, rank)
+        said = _read(self._path(rank, protocol.PHASE))
+        phase, since = protocol.phase_of(said) if said is not None else ("starting", 0.0)
+        progress = _read(self._path(rank, protocol.PROGRESS))
+        error = self._changed(rank, protocol.ERROR, lambda: protocol.read_error(folder, rank), None)
         memory = None
         if error is not None or exit_code not in (None, 0):
             memory = self._changed(rank, protocol.MEMORY, lambda: _memory(folder, rank), None)
@@ -169,25 +174,36 @@ class Reader:
             io=io,
             phase=phase,
             phase_since=since,
-            record=protocol.read_record(folder, rank),
+            record=protocol.record_of(progress) if progress is not None else None,
             error=error,
             error_written=self._mtime(rank, protocol.ERROR) if error is not None else 0.0,
-            group=protocol.read_group(folder, rank),
-            ended=protocol.read_ended(folder, rank),
+            group=self._changed(
+                rank, protocol.GROUP, lambda: protocol.read_group(folder, rank), None
+            ),
+            ended=self._changed(
+                rank, protocol.ENDED, lambda: protocol.read_ended(folder, rank), None
+            ),
             memory=memory,
             steps=self._steps(rank) if steps else None,
         )
 
+    def _path(self, rank: int, name: str) -> str:
+        """A rank's file, its path made once (pathlib's joins were half a look's time)."""
+        path = self._paths.get((rank, name))
+        if path is None:
+            path = self._paths[(rank, name)] = str(protocol.state_path(self.state_dir, rank, name))
+        return path
+
     def _mtime(self, rank: int, name: str) -> float:
         try:
-            return os.stat(protocol.state_path(self.state_dir, rank, name)).st_mtime
+            return os.stat(self._path(rank, name)).st_mtime
         except OSError:
             return 0.0
 
     def _changed(self, rank: int, name: str, read: Callable[[], T], absent: T) -> T:
         """`read()` again only when the file's modification time or size moved."""
         try:
-            found = os.stat(protocol.state_path(self.state_dir, rank, name))
+            found = os.stat(self._path(rank, name))
             stamp = (found.st_mtime_ns, found.st_size)
         except OSError:
             return absent
@@ -203,6 +219,14 @@ class Reader:
         if found is not None:
             self._steps_read[rank] = found.count
         return found
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def tree_usage(pid: int) -> tuple[float, int, int]:
