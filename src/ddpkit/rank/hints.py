@@ -56,11 +56,13 @@ def _fix_for(error: BaseException, tb: TracebackType | None) -> str:
             "leaves a rank at a prompt alone)"
         )
     if "EADDRINUSE" in message or "ddress already in use" in message:
-        port = _PORT.search(message)
+        said = _PORT.search(message)
+        # torch before 2.5 (libuv's words) names no port: the failing call's own argument
+        port = int(said.group(1)) if said else _port_of_call(tb)
         if port:
             from ddpkit.common.procs import port_taken_fix
 
-            return port_taken_fix(int(port.group(1)))
+            return port_taken_fix(port)
         return (
             "a port the script listens on is taken: let ddpkit run choose the job's port (no "
             "MASTER_PORT of the script's own), or give that listener a free port (0: the "
@@ -122,5 +124,21 @@ def _ddp_in(tb: TracebackType | None) -> Any:
         candidate = tb.tb_frame.f_locals.get("self")
         if isinstance(candidate, ddp_type):
             found = candidate
+        tb = tb.tb_next
+    return found
+
+
+def _port_of_call(tb: TracebackType | None) -> int | None:
+    """The port the failing call was given: a local `port` or `master_port` of the innermost
+    frame that has one (torch's store creation, or the script's own TCPStore call)."""
+    found = None
+    while tb is not None:
+        names = tb.tb_frame.f_locals
+        for name in ("port", "master_port"):
+            value = names.get(name)
+            if isinstance(value, int) and 0 < value < 65536:
+                found = value
+            elif isinstance(value, str) and value.isdigit() and 0 < int(value) < 65536:
+                found = int(value)
         tb = tb.tb_next
     return found
