@@ -73,3 +73,17 @@ def test_a_port_in_use_names_the_process_that_holds_it_and_the_fix():
     assert fix.startswith(f"port {port} is held by pid ")
     assert "let ddpkit run choose the port" in fix
     assert "--master-port" in fix
+
+
+def test_a_port_in_use_that_torch_does_not_name_is_read_from_the_scripts_store_call():
+    # torch before 2.5 says EADDRINUSE without the port (libuv's words): the hint reads the
+    # port argument of the script's own TCPStore call on the failing line
+    from ddpkit.rank.hints import _port_of_call
+
+    def TCPStore(*args):  # noqa: N802 - stands for torch's, which is C code with no locals
+        raise RuntimeError("The server socket has failed to listen: EADDRINUSE")
+
+    argv = ["train.py", "4321"]
+    with pytest.raises(RuntimeError) as raised_here:
+        TCPStore("127.0.0.1", int(argv[1]), 2, True)
+    assert _port_of_call(raised_here.value.__traceback__) == 4321

@@ -13,6 +13,8 @@ record, and the launcher's report prints it under the root cause.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import linecache
 import os
 import re
@@ -130,15 +132,82 @@ def _ddp_in(tb: TracebackType | None) -> Any:
 
 def _port_of_call(tb: TracebackType | None) -> int | None:
     """The port the failing call was given: a local `port` or `master_port` of the innermost
-    frame that has one (torch's store creation, or the script's own TCPStore call)."""
+    frame that has one (torch's store creation), else the port argument of a TCPStore call
+    on the innermost line that makes one (the script's own store), where it is a plain
+    expression (a number, a name, `sys.argv[1]`, `int(...)` of those)."""
     found = None
+    frames = []
     while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
         names = tb.tb_frame.f_locals
         for name in ("port", "master_port"):
-            value = names.get(name)
-            if isinstance(value, int) and 0 < value < 65536:
+            value = _as_port(names.get(name))
+            if value is not None:
                 found = value
-            elif isinstance(value, str) and value.isdigit() and 0 < int(value) < 65536:
-                found = int(value)
         tb = tb.tb_next
-    return found
+    if found is not None:
+        return found
+    for frame, line in reversed(frames):
+        call = _store_call(frame.f_code.co_filename, line)
+        if call is not None:
+            given = call.args[1] if len(call.args) > 1 else None
+            given = next((k.value for k in call.keywords if k.arg == "port"), given)
+            if given is not None:
+                return _as_port(_plain_value(given, frame.f_globals, frame.f_locals))
+    return None
+
+
+def _as_port(value: object) -> int | None:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and 0 < value < 65536 else None
+
+
+def _store_call(filename: str, line: int) -> ast.Call | None:
+    """The `...TCPStore(...)` call that starts on `line` of `filename`, if any."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node, "lineno", 0) <= line <= (
+            getattr(node, "end_lineno", 0) or 0
+        ):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            name = node.func.id if isinstance(node.func, ast.Name) else name
+            if name == "TCPStore":
+                return node
+    return None
+
+
+def _plain_value(node: ast.expr, globals_: dict[str, Any], locals_: dict[str, Any]) -> object:
+    """The value of a plain expression (a constant, a name, a subscript or attribute of those,
+    int()/str() of one), read from the frame; None for anything else (never run code)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return locals_.get(node.id, globals_.get(node.id))
+    if isinstance(node, ast.Attribute):
+        owner = _plain_value(node.value, globals_, locals_)
+        return getattr(owner, node.attr, None) if isinstance(owner, type(sys)) else None
+    if isinstance(node, ast.Subscript):
+        seq, key = (
+            _plain_value(node.value, globals_, locals_),
+            _plain_value(node.slice, globals_, locals_),
+        )
+        if isinstance(seq, (list, tuple, dict)) and isinstance(key, (int, str)):
+            try:
+                return seq[key]  # type: ignore[index]
+            except (IndexError, KeyError, TypeError):
+                return None
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("int", "str")
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        inner = _plain_value(node.args[0], globals_, locals_)
+        with contextlib.suppress(ValueError, TypeError):
+            return int(inner) if node.func.id == "int" else str(inner)  # type: ignore[call-overload]
+    return None
