@@ -21,7 +21,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.bench.models import resolve
-from ddpkit.rank import flight
+from ddpkit.rank import flight_answers
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
             for _ in range(5):
                 for kind, full in kinds.items():
                     began = time.perf_counter()
-                    flight.dump(full, s.backend)
+                    flight_answers.dump(full, s.backend)
                     own_ms[kind].append((time.perf_counter() - began) * 1e3)
         except Exception as err:  # a torch without the recorder
             s.print(f"no flight recorder here: {err}")
@@ -71,7 +71,9 @@ def main() -> None:
                 began = time.perf_counter()
                 worker = None
                 if name in kinds:
-                    worker = threading.Thread(target=flight.dump, args=(kinds[name], s.backend))
+                    worker = threading.Thread(
+                        target=flight_answers.dump, args=(kinds[name], s.backend)
+                    )
                     worker.start()
                 step()
                 sync()

@@ -66,7 +66,7 @@ def main() -> None:
                 handle = None
                 if with_it and name == "watch":
                     handle = watched(opt)
-                elif with_it:  # as ddpkit.rank.memory.start_history records it
+                elif with_it:  # as ddpkit.rank.oom_facts.start_history records it
                     stacks = "all" if name == "history-all" else "python"
                     torch.cuda.memory._record_memory_history(max_entries=100_000, stacks=stacks)
                 run_block(model, opt, data, 2, device, True)

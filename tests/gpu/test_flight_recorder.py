@@ -19,8 +19,8 @@ pytestmark = [
 DUMP = """import os, pickle, torch, torch.distributed as dist
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 import ddpkit
-from ddpkit.launch.hang import flight
-from ddpkit.rank.flight import dump
+from ddpkit.launch.hang import flight_dumps
+from ddpkit.rank.flight_answers import dump
 s = ddpkit.setup()
 for _ in range(3):
     dist.all_reduce(torch.ones(1024, device=s.device))
@@ -28,9 +28,9 @@ torch.cuda.synchronize()
 d = pickle.loads(dump(backend="nccl"))
 print("keys", sorted(d))
 print("entries", len(d.get("entries", [])))
-for line in flight.summarize(d):
+for line in flight_dumps.summarize(d):
     print("fr", line)
-print("pending", flight.pending(d))
+print("pending", flight_dumps.pending(d))
 """
 STALL = """import time, torch, torch.distributed as dist
 import ddpkit

@@ -27,7 +27,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "gpu_memory.py")
 
 
 def gib(n: int) -> str:
-    from ddpkit.launch.memory import gib
+    from ddpkit.launch.oom_verdict import gib
 
     return gib(n)
 
@@ -44,7 +44,7 @@ def test_a_real_cuda_oom_is_named_with_torchs_own_figures(tmp_path):
     cause = re.search(r"root cause: (.*)", job.stderr).group(1)
     print(f"\nverdict: {cause}\nfix: {re.search(r'fix: (.*)', job.stderr).group(1)}")
     print(f"torch: {stats}")
-    from ddpkit.rank.memory import asked_bytes
+    from ddpkit.rank.oom_facts import asked_bytes
 
     asked = asked_bytes(job.stderr)  # torch's own message, in the rank's traceback
     assert asked, job.stderr

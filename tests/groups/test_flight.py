@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddpkit.launch.hang import flight
+from ddpkit.launch.hang import flight_dumps
 from ddpkit.launch.wait import Wait
 from tests.groups.harness import run_ranks
 
@@ -26,8 +26,8 @@ def _dumps(rank, world, tmp):
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.launch.hang import flight
-    from ddpkit.rank.flight import dump
+    from ddpkit.launch.hang import flight_dumps
+    from ddpkit.rank.flight_answers import dump
 
     with ddpkit.setup() as s:
         for _ in range(7):
@@ -35,13 +35,13 @@ def _dumps(rank, world, tmp):
         s.barrier()
         for _ in range(50):  # the recorder records and completes from another thread
             status = pickle.loads(dump(full=False, backend="gloo"))
-            completed, waiting = flight.progress_state(status)
+            completed, waiting = flight_dumps.progress_state(status)
             # CI under load read 6 of the 7 completed and none pending: it catches up
             if waiting is None and completed >= 7:
                 break
             time.sleep(0.1)
         full = pickle.loads(dump(backend="gloo"))
-        return status, full, flight.progress_state(status)
+        return status, full, flight_dumps.progress_state(status)
 
 
 @needs_gloo_recorder
@@ -58,7 +58,7 @@ def test_without_a_gloo_recorder_the_dump_reads_as_no_progress_and_nothing_pendi
     for _, full, state in run_ranks(_dumps, 2, tmp_path, env=RING):
         assert full.get("entries", []) == []
         assert state == (-1, None)
-        assert flight.pending(full) is None
+        assert flight_dumps.pending(full) is None
 
 
 @needs_gloo_recorder
@@ -74,7 +74,7 @@ def test_the_status_poll_carries_progress_without_the_collectives(tmp_path):
 
 
 def test_a_collective_enqueued_but_not_completed_is_pending():
-    from ddpkit.launch.hang.flight import progress_state
+    from ddpkit.launch.hang.flight_dumps import progress_state
 
     status = {
         "pg_status": {
@@ -91,22 +91,22 @@ def _served(rank, world, tmp):
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.launch.hang import flight
-    from ddpkit.rank import flight as rank_flight
+    from ddpkit.launch.hang import flight_dumps
+    from ddpkit.rank import flight_answers as rank_flight
 
     with ddpkit.setup() as s:
         for _ in range(3):
             dist.all_reduce(torch.ones(4))
         state = Path(tmp)
         rank_flight.serve(str(state), str(rank), "gloo")  # as the bootstrap does after init
-        flight.ask(state, rank)
+        flight_dumps.ask(state, rank)
         answer = None
         for _ in range(100):
-            answer = flight.answer(state, rank)
+            answer = flight_dumps.answer(state, rank)
             if answer is not None:
                 break
             time.sleep(0.1)
-        full = flight.request([rank], state, Wait()).get(rank)
+        full = flight_dumps.request([rank], state, Wait()).get(rank)
         s.barrier()
         return answer, full
 
@@ -127,16 +127,16 @@ def _report_during_a_poll(rank, world, tmp):
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.launch.hang import flight
-    from ddpkit.rank import flight as rank_flight
+    from ddpkit.launch.hang import flight_dumps
+    from ddpkit.rank import flight_answers as rank_flight
 
     with ddpkit.setup() as s:
         for _ in range(3):
             dist.all_reduce(torch.ones(4))
         state = Path(tmp)
         rank_flight.serve(str(state), str(rank), "gloo")
-        flight.ask(state, rank)  # the watch's poll, not answered yet
-        full = flight.request([rank], state, Wait()).get(rank)  # the report, at once
+        flight_dumps.ask(state, rank)  # the watch's poll, not answered yet
+        full = flight_dumps.request([rank], state, Wait()).get(rank)  # the report, at once
         s.barrier()
         return full
 

@@ -113,7 +113,7 @@ def test_the_verdict_groups_ranks_largest_group_first():
 
 
 def test_flight_recorder_progress_reads_completed_and_pending_sequence_numbers():
-    from ddpkit.launch.hang.flight import pending, progress_state
+    from ddpkit.launch.hang.flight_dumps import pending, progress_state
 
     dump = {
         "entries": [
@@ -163,7 +163,7 @@ def test_a_rank_blocked_in_backward_through_a_hang_waits_in_ddps_all_reduce():
     ],
 )
 def test_the_flight_recorder_says_a_rank_waits_only_for_nccl(backend, before, seen, waits):
-    from ddpkit.launch.hang.watch import waits_in_flight
+    from ddpkit.launch.hang.progress_watch import waits_in_flight
 
     assert waits_in_flight(backend, before, seen) is waits
 

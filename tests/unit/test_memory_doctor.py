@@ -1,11 +1,12 @@
 """The memory doctor's decisions from plain figures: the out-of-memory verdict and the fixes it
-computes (ddpkit.launch.memory), a leak and a peak that stands out (ddpkit.launch.speed.memory).
+computes (ddpkit.launch.oom_verdict), a leak and a peak that stands out
+(ddpkit.launch.speed.memory_growth).
 The same end to end: tests/e2e/test_memory.py; on a GPU: tests/gpu/test_memory_gpu.py."""
 
 from __future__ import annotations
 
-from ddpkit.launch import memory
-from ddpkit.launch.speed.memory import MemoryWatch
+from ddpkit.launch import oom_verdict
+from ddpkit.launch.speed.memory_growth import MemoryWatch
 
 GIB = 2**30
 
@@ -20,7 +21,7 @@ def gpu_oom(**changes):
 
 
 def test_the_verdict_names_the_rank_the_line_the_size_and_where_the_memory_went():
-    line, fix = memory.verdict(gpu_oom(), rank=2, site="train.py:42 in step")
+    line, fix = oom_verdict.verdict(gpu_oom(), rank=2, site="train.py:42 in step")
     assert line.startswith("rank 2 ran out of GPU memory at train.py:42 in step: asked for 2 GiB")
     assert "GPU 0 (80 GiB), torch 74 GiB allocated (76 GiB reserved)" in line
     assert "other processes 2 GiB, free 1 GiB" in line
@@ -42,8 +43,8 @@ def test_sizes_read_as_a_person_reads_them():
 
 def test_the_fix_is_the_micro_batch_that_fits_with_what_it_frees():
     # room for activations: 72 - 24 - 2 = 46 GiB; the step wanted 50 + 2 = 52 GiB at 32
-    assert memory.fit_micro_batch(gpu_oom()) == 16
-    _, fix = memory.verdict(gpu_oom(), 2, "")
+    assert oom_verdict.fit_micro_batch(gpu_oom()) == 16
+    _, fix = oom_verdict.verdict(gpu_oom(), 2, "")
     assert (
         "micro-batches of 16 instead of 32 free about 26 GiB (1.62 GiB of activations per " in fix
     )
@@ -60,7 +61,7 @@ def test_a_fix_that_cannot_free_what_is_missing_is_not_offered():
                     grads=0, optimizer=0, grads_expected=474 * 2**20,
                     optimizer_expected=948 * 2**20, batch=48, batch_from="forward",
                     world_size=1, phase="forward", blocks=12, fp32=True)  # fmt: skip
-    _, fix = memory.verdict(facts, 0, "model.py:182 in forward")
+    _, fix = oom_verdict.verdict(facts, 0, "model.py:182 in forward")
     assert "shard=True" not in fix, "the model's 1.85 GiB of state cannot free 3.8 GiB"
     # 5.68 GiB of activations wanted, 3.18 GiB of room after the model's 1.85 GiB at its peak
     assert "micro-batches of 24 instead of 48 free about 2.84 GiB" in fix
@@ -74,7 +75,7 @@ def test_when_no_single_fix_is_enough_the_verdict_says_what_is_missing():
     # model's 4 GiB of state over 4 ranks frees only 3 GiB
     facts = gpu_oom(params=2 * GIB, grads=2 * GIB, optimizer=0, batch=1, world_size=4,
                     fp32=False, blocks=0)  # fmt: skip
-    _, fix = memory.verdict(facts, 0, "")
+    _, fix = oom_verdict.verdict(facts, 0, "")
     assert fix.startswith("no single change frees the 6 GiB missing (72 GiB of activations"), fix
     assert (
         "even all of these together fall short: s.wrap(model, shard=True) frees about 3 GiB" in fix
@@ -82,7 +83,7 @@ def test_when_no_single_fix_is_enough_the_verdict_says_what_is_missing():
 
 
 def test_memory_that_grew_every_step_is_the_root_cause_not_the_last_allocation():
-    line, fix = memory.verdict(
+    line, fix = oom_verdict.verdict(
         gpu_oom(),
         1,
         "train.py:40 in step",
@@ -99,7 +100,7 @@ def test_a_request_larger_than_the_whole_device_gets_no_batch_advice():
              "free": 20 * GIB, "allocated": GIB, "reserved": GIB, "params": 2**20,
              "grads": 0, "optimizer": 0, "batch": 64, "world_size": 3,
              "bound": "the machine"}  # fmt: skip
-    line, fix = memory.verdict(facts, 1, "oom.py:12 in <module>")
+    line, fix = oom_verdict.verdict(facts, 1, "oom.py:12 in <module>")
     assert "asked for 9.09 TiB" in line
     assert fix.startswith("one allocation of 9.09 TiB is more than the machine's memory (23.5 GiB)")
     assert "check the size computed at oom.py:12" in fix
@@ -111,34 +112,34 @@ def test_the_host_verdict_names_the_limit_that_bounds_the_process():
              "allocated": 7 * GIB, "reserved": 7 * GIB, "params": 2**20, "grads": 0,
              "optimizer": 0, "batch": 64, "world_size": 3,
              "bound": "the address-space limit (RLIMIT_AS: ulimit -v)"}  # fmt: skip
-    line, _ = memory.verdict(facts, 1, "oom.py:12 in <module>")
+    line, _ = oom_verdict.verdict(facts, 1, "oom.py:12 in <module>")
     assert "the host's address-space limit (RLIMIT_AS: ulimit -v) (8 GiB)" in line
     assert "free 256 MiB" in line
 
 
 def test_a_batch_whose_activations_fit_nowhere_gets_no_micro_batch():
-    assert memory.fit_micro_batch(gpu_oom(params=60 * GIB, rest=0)) is None
-    assert memory.fit_micro_batch(gpu_oom(batch=None)) is None
+    assert oom_verdict.fit_micro_batch(gpu_oom(params=60 * GIB, rest=0)) is None
+    assert oom_verdict.fit_micro_batch(gpu_oom(batch=None)) is None
 
 
 def test_a_process_capped_below_its_gpu_is_judged_by_its_cap():
     # set_per_process_memory_fraction: torch's message says "4.00 GiB allowed"
-    from ddpkit.rank.memory import allowed_bytes
+    from ddpkit.rank.oom_facts import allowed_bytes
 
     message = "CUDA out of memory. Tried to allocate 512.00 MiB. ... 4.00 GiB allowed; Of the"
     assert allowed_bytes(message, 80 * GIB) == 4 * GIB
     capped = gpu_oom(allowed=40 * GIB, others=0)
-    line, _ = memory.verdict(capped, 0, "")
+    line, _ = oom_verdict.verdict(capped, 0, "")
     assert "GPU 0 (80 GiB, 40 GiB allowed to this process)" in line
     # room: 36 - 24 = 12 GiB for the 52 GiB the step wanted at 32: 4 per micro-batch of 4
-    assert memory.fit_micro_batch(capped) == 4
+    assert oom_verdict.fit_micro_batch(capped) == 4
 
 
 def test_the_host_verdict_speaks_of_the_process_and_the_machine():
     facts = {"kind": "cpu", "asked": 1024 * GIB, "total": 24 * GIB, "free": 20 * GIB,
              "allocated": GIB // 2, "reserved": GIB // 2, "params": 2**20, "grads": 0,
              "optimizer": 0, "batch": 64, "world_size": 3}  # fmt: skip
-    line, _ = memory.verdict(facts, 1, "oom.py:12 in <module>")
+    line, _ = oom_verdict.verdict(facts, 1, "oom.py:12 in <module>")
     assert line.startswith("rank 1 ran out of host memory at oom.py:12 in <module>: asked")
     assert "the host (24 GiB), the rank's process 512 MiB, free 20 GiB" in line
     assert "the rest (libraries, activations)" in line

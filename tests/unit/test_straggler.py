@@ -149,7 +149,7 @@ def test_cpu_steal_on_the_host_every_rank_shares_is_no_evidence():
 
 
 def report(own: list[float], hosts: int = 1, memory: bool = True) -> dict:
-    from ddpkit.launch.speed.memory import describe  # noqa: F401 - the column's own words
+    from ddpkit.launch.speed.memory_growth import describe  # noqa: F401 - the column's own words
 
     rows = [
         {"rank": r, "host": f"node{r % hosts}", "steps": 96, "median_s": 0.0352,
@@ -183,7 +183,7 @@ def test_an_even_job_gets_no_slowest_line():
 
 
 def test_the_step_count_is_every_optimizer_step_the_first_included():
-    from ddpkit.launch.speed.watch import Track
+    from ddpkit.launch.speed.step_watch import Track
 
     track = Track(0, 1, 50)
     track.take([protocol.Step(n, 0.0, 0.01, 0, 0.01, 0, 0) for n in range(1, 96)])

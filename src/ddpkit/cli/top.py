@@ -176,7 +176,7 @@ def _row(r: dict[str, Any], wide: bool) -> dict[str, str]:
 
 def held(figures: dict[str, Any]) -> str:
     """What the rank holds: torch's peak allocated / reserved GPU memory, or its resident
-    memory on the CPU (ddpkit.launch.speed.memory)."""
+    memory on the CPU (ddpkit.launch.speed.memory_growth)."""
     if not figures:
         return "-"
     if "reserved" in figures:

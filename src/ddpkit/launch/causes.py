@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-from pathlib import Path
 
 from ddpkit.common import protocol
 from ddpkit.common.host_memory import memory_cgroup, memory_limit, oom_kills
@@ -66,15 +65,11 @@ def short(message: str, limit: int = 160) -> str:
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
-def fault_site(state_dir: Path, rank: int) -> str:
-    """Where a rank that died of a fatal signal was: 'crash.py:12 in <module>' (faulthandler's
-    dump of its main thread), or ''."""
+def fault_site(text: str) -> str:
+    """Where a rank that died of a fatal signal was: 'crash.py:12 in <module>', from
+    faulthandler's dump of its main thread (`text`, its fault file), or ''."""
     from ddpkit.launch.hang.places import code_site, main_thread, parse_threads, user_frames
 
-    try:
-        text = protocol.state_path(state_dir, rank, protocol.FAULT).read_text(errors="replace")
-    except OSError:
-        return ""
     frames = main_thread(parse_threads(text))
     if not frames:
         return ""

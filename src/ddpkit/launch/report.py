@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
-from ddpkit.launch import causes, memory
+from ddpkit.launch import causes, oom_verdict
 from ddpkit.launch.causes import short
 from ddpkit.launch.hang import mismatch
 from ddpkit.launch.hang.blame import Culprit
@@ -160,7 +160,7 @@ class Outcome:
         fix = ""
         error = errors.get(root.rank)
         code = root.exit_code or 0
-        if code < 0 and -code in causes.FATAL and (site := causes.fault_site(state_dir, root.rank)):
+        if code < 0 and -code in causes.FATAL and (site := causes.fault_site(root.fault)):
             summary += f" at {site}"
         killed = {root.pid} if code == -signal.SIGKILL else causes.killed_worker_pids(error)
         if killed and oom is not None and oom.killed(killed):
@@ -171,9 +171,9 @@ class Outcome:
             memory_facts = root.memory
             if memory_facts is not None:  # out of memory: what it held, and what would fit
                 grew = growth(root.rank) if growth is not None else None
-                summary, fix = memory.verdict(memory_facts, root.rank, site, grew)
+                summary, fix = oom_verdict.verdict(memory_facts, root.rank, site, grew)
                 snapshot = protocol.state_path(state_dir, root.rank, protocol.MEMORY_SNAPSHOT)
-                if snapshot.exists():
+                if root.memory_snapshot:
                     fix += (
                         f"\n  memory snapshot: {snapshot} (open it in "
                         "https://pytorch.org/memory_viz); plot: "

@@ -52,7 +52,11 @@ class RankView:
     error_written: float = 0.0  # wall time the error file was written
     group: tuple[str, float] | None = None  # its process group's (backend, timeout)
     ended: tuple[int, float] | None = None  # (code, wall time) it said as it ended
-    memory: dict[str, object] | None = None  # its OOM facts (rank/memory.py), once written
+    memory: dict[str, object] | None = None  # its OOM facts (rank/oom_facts.py), once written
+    memory_snapshot: bool = False  # it wrote its allocator's history (--memory-snapshot)
+    fault: str = ""  # faulthandler's dump at the fatal signal it died of
+    graceful: bool = False  # it reads s.stop_requested: it saves before it leaves a stop
+    answers: bool = False  # it answers flight-recorder questions (its group exists)
     steps: protocol.StepRecord | None = None  # steps written since the last read
 
     @property
@@ -156,9 +160,13 @@ class Reader:
         phase, since = protocol.phase_of(said) if said is not None else ("starting", 0.0)
         progress = _read(self._path(rank, protocol.PROGRESS))
         error = self._changed(rank, protocol.ERROR, lambda: protocol.read_error(folder, rank), None)
-        memory = None
+        memory, snapshot, fault = None, False, ""
         if error is not None or exit_code not in (None, 0):
             memory = self._changed(rank, protocol.MEMORY, lambda: _memory(folder, rank), None)
+            snapshot = os.path.exists(self._path(rank, protocol.MEMORY_SNAPSHOT))
+        if exit_code is not None and exit_code < 0:  # died of a signal: where, if fatal
+            found = _read(self._path(rank, protocol.FAULT))
+            fault = found.decode(errors="replace") if found else ""
         cpu, io = -1.0, -1
         if usage and exit_code is None:
             cpu, io, rss = tree_usage(pid)
@@ -184,6 +192,10 @@ class Reader:
                 rank, protocol.ENDED, lambda: protocol.read_ended(folder, rank), None
             ),
             memory=memory,
+            memory_snapshot=snapshot,
+            fault=fault,
+            graceful=os.path.exists(self._path(rank, protocol.GRACEFUL)),
+            answers=os.path.exists(self._path(rank, protocol.FLIGHT_READY)),
             steps=self._steps(rank) if steps else None,
         )
 
@@ -254,7 +266,7 @@ def tree_usage(pid: int) -> tuple[float, int, int]:
 
 
 def _memory(state_dir: Path, rank: int) -> dict[str, object] | None:
-    """The facts a rank wrote at an out-of-memory error (rank/memory.py), or None."""
+    """The facts a rank wrote at an out-of-memory error (rank/oom_facts.py), or None."""
     try:
         found = json.loads(protocol.state_path(state_dir, rank, protocol.MEMORY).read_text())
     except (OSError, ValueError):

@@ -42,7 +42,7 @@ from ddpkit.launch import lifecycle, outcomes, report, rundir, watchdog
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.decide import Attempt, Next, Verdict, after_attempt
 from ddpkit.launch.hang import places
-from ddpkit.launch.hang.watch import HangWatch
+from ddpkit.launch.hang.progress_watch import HangWatch
 from ddpkit.launch.lifecycle import Events, Phase, State
 from ddpkit.launch.output import CONSOLE
 from ddpkit.launch.peers import crossnode
@@ -51,7 +51,7 @@ from ddpkit.launch.peers.nodes import NodeGroup, join
 from ddpkit.launch.peers.peers import Peers, peers_of
 from ddpkit.launch.report import HANG_EXIT_CODE
 from ddpkit.launch.snapshot import Reader, Snapshot
-from ddpkit.launch.speed.watch import SpeedWatch
+from ddpkit.launch.speed.step_watch import SpeedWatch
 from ddpkit.launch.wait import Wait
 from ddpkit.launch.worker import Signals, Worker
 from ddpkit.launch.workers import (
@@ -302,7 +302,10 @@ def _collect_and_stop(job: Job, running: Running, verdict: Verdict, attempt: int
 def _stop(job: Job, running: Running) -> float:
     """Every process of the attempt ends; the grace the ranks were given."""
     workers = running.workers
-    given = stop_workers(workers, job.cfg.grace, job.signals, job.node.run_id, running.state_dir)
+    # the ranks that read s.stop_requested save before they leave: a longer grace for them
+    seen = running.scene.reader.look(workers, steps=False, usage=False)
+    graceful = {v.rank for v in seen.ranks if v.graceful}
+    given = stop_workers(workers, job.cfg.grace, job.signals, job.node.run_id, graceful)
     for w in workers:
         w.output.close()
     end_orphans({w.proc.pid for w in workers}, job.watchdog.pid)

@@ -173,7 +173,7 @@ def stdin_rank(cfg: LaunchConfig) -> int | None:
 
 
 def stop_workers(
-    workers: list[Worker], grace: float, signals: Signals, run_id: str, state_dir: Path
+    workers: list[Worker], grace: float, signals: Signals, run_id: str, graceful: set[int]
 ) -> float:
     """Every worker's group and every process of the run: the signal the launcher got (a
     forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
@@ -182,11 +182,7 @@ def stop_workers(
     count_before = signals.count
     first = signals.last if signals.count else signal.SIGTERM
     alive = [w for w in workers if w.proc.poll() is None]
-    if (
-        signals.count
-        and alive
-        and all(protocol.state_path(state_dir, w.rank, protocol.GRACEFUL).exists() for w in alive)
-    ):
+    if signals.count and alive and all(w.rank in graceful for w in alive):
         # every rank reads s.stop_requested: it saves its state before it leaves
         grace = max(grace, GRACEFUL_WAIT)
 

@@ -58,10 +58,10 @@ def main(argv: list[str]) -> None:
     set_phase("started")
     if kind == "command":
         os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec
-    from ddpkit.rank import init_args, memory
+    from ddpkit.rank import init_args, oom_facts
 
     init_args.remember_launcher()  # before the script can change them
-    memory.reserve()
+    oom_facts.reserve()
     if os.environ.get(protocol.FRAMED) == "1":
         streams.buffer_stdout()
         streams.frame_stderr()

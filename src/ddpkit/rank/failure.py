@@ -86,11 +86,11 @@ def record_errors() -> None:
         if issubclass(kind, KeyboardInterrupt):
             previous(kind, value, tb)
             return
-        from ddpkit.rank import memory
+        from ddpkit.rank import oom_facts
         from ddpkit.rank.hints import fix_for
 
-        memory.release_reserve()  # room for what follows, when the process ran out
-        memory.write(STATE_DIR, RANK, value)  # an out-of-memory error: what memory held
+        oom_facts.release_reserve()  # room for what follows, when the process ran out
+        oom_facts.write(STATE_DIR, RANK, value)  # an out-of-memory error: what memory held
         trace = "".join(traceback.format_exception(kind, value, tb))
         ours = isinstance(value, DdpkitError)
         fix = value.fix if isinstance(value, DdpkitError) else fix_for(value, tb)

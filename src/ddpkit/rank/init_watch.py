@@ -84,13 +84,13 @@ def patch_init(module: ModuleType) -> None:
         if STATE_DIR:
             timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
             record_group(str(module.get_backend()), timeout)
-            from ddpkit.rank import memory
+            from ddpkit.rank import oom_facts
 
-            memory.start_history()  # --memory-snapshot: the allocator's events, from here on
+            oom_facts.start_history()  # --memory-snapshot: the allocator's events, from here on
         if STATE_DIR and _recording():
-            from ddpkit.rank import flight
+            from ddpkit.rank import flight_answers
 
-            flight.serve(STATE_DIR, RANK, str(module.get_backend()))
+            flight_answers.serve(STATE_DIR, RANK, str(module.get_backend()))
         return result
 
     module.init_process_group = init_process_group  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ device, each tensor counted once; the state the optimizers will hold once they h
 (Adam keeps two tensors per parameter, made at its first step); the batch of the forward that
 failed, read from its inputs; whether it failed in the forward, the backward or the optimizer;
 the number of repeated blocks (a transformer's layers) and the parameters' float type, which
-size activation checkpointing and autocast. `ddpkit.launch.memory` turns these into fixes.
+size activation checkpointing and autocast. `ddpkit.launch.oom_verdict` turns these into fixes.
 
 The scan walks every object the garbage collector tracks, so it checks types with `type()`
 and silences warnings: an isinstance() on some of torch's deprecated objects warns (the scan

@@ -151,7 +151,7 @@ class Fit:
 
 
 def _out_of_memory(err: BaseException) -> bool:
-    from ddpkit.rank.memory import is_out_of_memory
+    from ddpkit.rank.oom_facts import is_out_of_memory
 
     return is_out_of_memory(err) is not None
 

@@ -22,7 +22,7 @@ from ddpkit.common import protocol
 from ddpkit.common.frames import is_bootstrap, is_framework, is_library, torch_module
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch import asking
-from ddpkit.launch.hang import flight
+from ddpkit.launch.hang import flight_dumps
 from ddpkit.launch.hang.mismatch import Call
 from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.wait import Wait
@@ -250,16 +250,16 @@ def evidence(
     wait = wait or Wait()  # a signal (or a lost peer) cuts the waits short
     texts = dump_stacks(answering, state_dir, wait)
     served = [
-        r
-        for r in answering
-        if flight.ready_file(state_dir, r).exists() and not (states[r] or "").startswith("holds")
+        r for r in answering if snap.of(r).answers and not (states[r] or "").startswith("holds")
     ]
-    recorded = flight.request(served, state_dir, wait) if served and not wait.cancelled else {}
+    recorded = (
+        flight_dumps.request(served, state_dir, wait) if served and not wait.cancelled else {}
+    )
     places, details, calls = {}, [], {}
     for w in snap.ranks:
         record = w.record
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
-        in_flight = flight.pending(recorded[w.rank]) if w.rank in recorded else None
+        in_flight = flight_dumps.pending(recorded[w.rank]) if w.rank in recorded else None
         state = states.get(w.rank)
         waits = hung if isinstance(hung, bool) else w.rank in hung
         places[w.rank] = where(frames, record, w.exit_code, in_flight, waits, state)
@@ -283,7 +283,7 @@ def evidence(
             if in_flight:
                 details.append(f"    flight recorder: not completed: {in_flight}")
             details.extend(
-                f"    flight recorder: {line}" for line in flight.summarize(recorded[w.rank])
+                f"    flight recorder: {line}" for line in flight_dumps.summarize(recorded[w.rank])
             )
         if w.rank in alive and w.rank not in texts:
             why = "it is stopped: a stopped process runs no handler" if _stopped(state) else ""
@@ -294,7 +294,7 @@ def evidence(
 
 
 def waiting_call(
-    rank: int, what: str, site: str, record: protocol.Record | None, dump: flight.Dump | None
+    rank: int, what: str, site: str, record: protocol.Record | None, dump: flight_dumps.Dump | None
 ) -> Call | None:
     """The collective a rank waits in, with its shapes (progress record) and sequence number
     (flight recorder) where they say the same collective."""
@@ -304,9 +304,9 @@ def waiting_call(
     shapes = (
         record.shapes if record is not None and record.in_collective and record.op == op else ""
     )
-    entry = flight.pending_entry(dump) if dump is not None else None
+    entry = flight_dumps.pending_entry(dump) if dump is not None else None
     seq = None
-    if entry is not None and flight.op_of(entry) == op:
+    if entry is not None and flight_dumps.op_of(entry) == op:
         seq = int(entry.get("collective_seq_id", -1))
         if not shapes and entry.get("input_sizes"):
             shapes = " ".join(str(list(x)) for x in entry["input_sizes"])

@@ -10,7 +10,7 @@ The decision is taken every evaluation (2 s) over each rank's last `window` step
 so one slow step does not count), and only after `SUSTAIN` evaluations in a row agree (an
 episode starts); the episode ends after `SUSTAIN` in a row without it. The excess must also be
 at least MIN_EXCESS of the step (a 1 ms difference on a 2 ms step is noise, not a straggler).
-Pure functions of summaries: the launcher feeds them (ddpkit.launch.speed.watch).
+Pure functions of summaries: the launcher feeds them (ddpkit.launch.speed.step_watch).
 """
 
 from __future__ import annotations

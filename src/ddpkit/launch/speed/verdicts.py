@@ -10,7 +10,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from ddpkit.launch.speed.memory import describe
+from ddpkit.launch.speed.memory_growth import describe
 from ddpkit.launch.speed.straggler import Finding, RankSummary
 
 

@@ -27,7 +27,7 @@ from ddpkit.common import nccl_transport, procs, protocol
 from ddpkit.launch.peers.peers import NoPeers, Peers
 from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.speed import evidence, straggler
-from ddpkit.launch.speed.memory import MemoryWatch
+from ddpkit.launch.speed.memory_growth import MemoryWatch
 from ddpkit.launch.speed.straggler import Finding, RankSummary
 from ddpkit.launch.speed.verdicts import summary_text, verdict
 

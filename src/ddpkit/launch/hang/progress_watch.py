@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.common import protocol
-from ddpkit.launch.hang import flight, places
+from ddpkit.launch.hang import flight_dumps, places
 from ddpkit.launch.hang.places import GIL_STALE
 from ddpkit.launch.peers.peers import Peers
 from ddpkit.launch.snapshot import RankView, Snapshot
@@ -187,19 +187,19 @@ class HangWatch:
         says nothing: completed sequence numbers advancing is progress, and the same
         collective pending at two polls in a row means the rank is waiting in it."""
         for v in snap.running:
-            if not flight.ready_file(self.state_dir, v.rank).exists():
+            if not v.answers:
                 continue
             state = self.ranks[v.rank]
-            dump = flight.answer(self.state_dir, v.rank)
+            dump = flight_dumps.answer(self.state_dir, v.rank)
             if dump is not None:
-                seen = flight.progress_state(dump)
+                seen = flight_dumps.progress_state(dump)
                 if state.nccl is not None and seen[0] > state.nccl[0]:
                     state.last_progress = snap.mono
                 if state.backend is None and v.group is not None:
                     state.backend = v.group[0]
                 state.stuck_in_nccl = waits_in_flight(state.backend, state.nccl, seen)
                 state.nccl = seen
-            flight.ask(self.state_dir, v.rank)
+            flight_dumps.ask(self.state_dir, v.rank)
 
     def stalled_for(self, now: float) -> float:
         local = self._local_stall(now)

@@ -1,5 +1,5 @@
 """The out-of-memory verdict: from the figures the failing rank wrote as it ran out
-(`ddpkit.rank.memory`), what was asked, what the device held and where it went, and the fixes
+(`ddpkit.rank.oom_facts`), what was asked, what the device held and where it went, and the fixes
 that would fit, each with what it frees.
 
 The arithmetic (an estimate, and it says so): the step's peak holds the model's state
@@ -23,25 +23,14 @@ notice), the growth is the root cause and no fix that shrinks the step is offere
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ddpkit.common import protocol
 from ddpkit.common.units import size
 
 MARGIN = 0.10  # of the device's memory, kept free for workspaces and fragmentation
 gib = size  # the name callers and tests knew
-
-
-def read(state_dir: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        found = json.loads(protocol.state_path(state_dir, rank, protocol.MEMORY).read_text())
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) else None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The launcher's side of the flight recorder: ask ranks for dumps and read what they say.
 
-Each rank that has a process group answers requests (`ddpkit.rank.flight`); `request` asks
+Each rank that has a process group answers requests (`ddpkit.rank.flight_answers`); `request` asks
 every rank and reads what came back. Torch builds without the recorder, or a rank whose Python
 cannot run, give none, and the verdict goes on from stacks alone.
 
@@ -16,17 +16,11 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from ddpkit.common import protocol
 from ddpkit.launch import asking
 from ddpkit.launch.wait import Wait
 
 # A rank's flight-recorder dump: torch's pickle (entries, pg_status, ...), untyped by torch
 Dump = dict[str, Any]
-
-
-def ready_file(state_dir: Path, rank: int | str) -> Path:
-    """Exists once the rank answers dump requests."""
-    return protocol.state_path(state_dir, rank, protocol.FLIGHT_READY)
 
 
 def request(ranks: list[int], state_dir: Path, wait: Wait, seconds: float = 8.0) -> dict[int, Dump]:

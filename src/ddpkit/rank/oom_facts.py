@@ -6,7 +6,7 @@ modules and optimizers alive in the process; the batch size in use and the world
 the launcher can compute fixes. For a CUDA OOM (`torch.OutOfMemoryError`) and the CPU
 allocator's failure ("DefaultCPUAllocator: can't allocate memory").
 
-The facts go to the rank's state file `protocol.MEMORY` (JSON); `ddpkit.launch.memory` turns
+The facts go to the rank's state file `protocol.MEMORY` (JSON); `ddpkit.launch.oom_verdict` turns
 them into the verdict and its fixes.
 """
 
