@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 # -- variables the launcher gives every worker (besides torchrun's) -------------------------
 
@@ -169,6 +170,34 @@ class ErrorRecord:
     exit_code: int | None = None  # the code the rank exits with, when it chose one
     fix: str = ""  # what the user can do, when the rank could tell (ddpkit.rank.hints)
     whole: bool = False  # ddpkit's own sentence (a DdpkitError): shown whole, never cut
+
+
+class OomFacts(TypedDict, total=False):
+    """What a rank's memory held when it ran out (the MEMORY file, JSON; ddpkit.rank.oom_facts
+    writes it, ddpkit.launch.oom_verdict reads it). Every figure in bytes."""
+
+    kind: str  # "cuda" or "host"
+    asked: int | None  # what the failing allocation asked for
+    world_size: int
+    params: int  # parameters, gradients and optimizer state on the device, each tensor once
+    grads: int
+    optimizer: int
+    grads_expected: int  # at the step's peak: every trainable parameter's gradient
+    optimizer_expected: int  # the optimizer's state once it has stepped
+    fp32: bool  # the parameters are mostly float32
+    blocks: int  # the most repeated blocks in one container (a transformer's layers)
+    phase: str  # forward, backward, optimizer or ""
+    batch: int | None  # the failing forward's batch (or the loader's)
+    batch_from: str  # "forward" or "loader"
+    device: int  # the GPU's index
+    free: int
+    total: int
+    allocated: int
+    reserved: int
+    allowed: int  # the process's own ceiling (set_per_process_memory_fraction)
+    peak_allocated: int
+    others: int | None  # other processes on the GPU (NVML); None on the host
+    bound: str  # what bounds host memory: the machine, the cgroup, ulimit -v
 
 
 def write_error(state_dir: str | Path, rank: int | str, record: ErrorRecord) -> None:

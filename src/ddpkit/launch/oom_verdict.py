@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
+from ddpkit.common.protocol import OomFacts
 from ddpkit.common.units import size
 
 MARGIN = 0.10  # of the device's memory, kept free for workspaces and fragmentation
@@ -54,9 +54,7 @@ class Need:
         return self.activations - self.room
 
 
-def verdict(
-    facts: dict[str, Any], rank: int, site: str, growth: str | None = None
-) -> tuple[str, str]:
+def verdict(facts: OomFacts, rank: int, site: str, growth: str | None = None) -> tuple[str, str]:
     """(the root cause line, the fix line) for rank `rank` that ran out at `site`. `growth`:
     the memory watch's words when the rank's memory grew step after step before it failed."""
     kind = facts.get("kind", "cuda")
@@ -95,7 +93,7 @@ def verdict(
     return line, fix_line(facts, site, growth)
 
 
-def fix_line(facts: dict[str, Any], site: str = "", growth: str | None = None) -> str:
+def fix_line(facts: OomFacts, site: str = "", growth: str | None = None) -> str:
     """The fixes that fit, each with what it frees; or why none does."""
     at = f" at {site.split(' in ')[0]}" if site else ""
     if growth:
@@ -143,16 +141,18 @@ def fix_line(facts: dict[str, Any], site: str = "", growth: str | None = None) -
     )
 
 
-def _split(facts: dict[str, Any]) -> dict[str, int] | None:
+def _split(facts: OomFacts) -> dict[str, int] | None:
     allocated = facts.get("allocated")
     if allocated is None:
         return None
-    params, grads, optimizer = (int(facts.get(k) or 0) for k in ("params", "grads", "optimizer"))
+    params = int(facts.get("params") or 0)
+    grads = int(facts.get("grads") or 0)
+    optimizer = int(facts.get("optimizer") or 0)
     rest = max(0, int(allocated) - params - grads - optimizer)
     return {"params": params, "grads": grads, "optimizer": optimizer, "rest": rest}
 
 
-def _model_state(facts: dict[str, Any], split: dict[str, int]) -> int:
+def _model_state(facts: OomFacts, split: dict[str, int]) -> int:
     """Parameters, gradients and optimizer state at the step's peak: a gradient for every
     trainable parameter, and the optimizer's state once it has stepped (Adam makes its state
     at its first step, so an OOM in the first forward shows none)."""
@@ -163,7 +163,7 @@ def _model_state(facts: dict[str, Any], split: dict[str, int]) -> int:
     return split["params"] + grads + optimizer
 
 
-def needs(facts: dict[str, Any]) -> Need | None:
+def needs(facts: OomFacts) -> Need | None:
     split, total = _split(facts), facts.get("total")
     if not split or not total:
         return None
@@ -175,7 +175,7 @@ def needs(facts: dict[str, Any]) -> Need | None:
     return Need(model, wanted, room, ceiling)
 
 
-def fit_micro_batch(facts: dict[str, Any]) -> int | None:
+def fit_micro_batch(facts: OomFacts) -> int | None:
     """The largest power-of-two fraction of the batch whose activations fit (an estimate)."""
     need, batch = needs(facts), facts.get("batch")
     if need is None or not batch or batch < 2 or need.room <= 0 or need.activations <= 0:
@@ -187,7 +187,7 @@ def fit_micro_batch(facts: dict[str, Any]) -> int | None:
     return micro if micro < batch and micro * per_sample <= need.room else None
 
 
-def fixes(facts: dict[str, Any]) -> list[Fix]:
+def fixes(facts: OomFacts) -> list[Fix]:
     """Every fix ddpkit can size for these figures, with what it frees, largest first."""
     need = needs(facts)
     if need is None:
@@ -249,7 +249,7 @@ def fixes(facts: dict[str, Any]) -> list[Fix]:
     return sorted(found, key=lambda f: -f.frees)
 
 
-def _sharding(facts: dict[str, Any], need: Need) -> list[Fix]:
+def _sharding(facts: OomFacts, need: Need) -> list[Fix]:
     world = int(facts.get("world_size") or 1)
     if need.model <= 0:
         return []

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import psutil
 
@@ -52,7 +52,7 @@ class RankView:
     error_written: float = 0.0  # wall time the error file was written
     group: tuple[str, float] | None = None  # its process group's (backend, timeout)
     ended: tuple[int, float] | None = None  # (code, wall time) it said as it ended
-    memory: dict[str, object] | None = None  # its OOM facts (rank/oom_facts.py), once written
+    memory: protocol.OomFacts | None = None  # its OOM facts (rank/oom_facts.py), once written
     memory_snapshot: bool = False  # it wrote its allocator's history (--memory-snapshot)
     fault: str = ""  # faulthandler's dump at the fatal signal it died of
     graceful: bool = False  # it reads s.stop_requested: it saves before it leaves a stop
@@ -265,10 +265,11 @@ def tree_usage(pid: int) -> tuple[float, int, int]:
     return cpu, io, rss
 
 
-def _memory(state_dir: Path, rank: int) -> dict[str, object] | None:
+def _memory(state_dir: Path, rank: int) -> protocol.OomFacts | None:
     """The facts a rank wrote at an out-of-memory error (rank/oom_facts.py), or None."""
     try:
         found = json.loads(protocol.state_path(state_dir, rank, protocol.MEMORY).read_text())
     except (OSError, ValueError):
         return None
-    return found if isinstance(found, dict) else None
+    # the rank's own JSON, in protocol.OomFacts' shape (the verdict tolerates missing keys)
+    return cast("protocol.OomFacts", found) if isinstance(found, dict) else None

@@ -17,6 +17,8 @@ import warnings
 from types import TracebackType
 from typing import Any
 
+from ddpkit.common import protocol
+
 # optimizer state tensors per parameter, by optimizer class name, once it has stepped
 SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SparseAdam": 2,
          "Adagrad": 1, "Adadelta": 2, "Rprop": 2, "ASGD": 1, "LBFGS": 2}  # fmt: skip
@@ -51,7 +53,7 @@ def live_objects() -> tuple[list[Any], list[Any]]:
     return modules, optimizers
 
 
-def held(device: Any, modules: list[Any], optimizers: list[Any]) -> dict[str, Any]:
+def held(device: Any, modules: list[Any], optimizers: list[Any]) -> protocol.OomFacts:
     """Bytes on `device` of parameters, gradients and optimizer state (each tensor once); what
     gradients and optimizer state take at the step's peak; the parameters' float type."""
     import torch

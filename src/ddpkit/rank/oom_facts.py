@@ -75,13 +75,13 @@ def allowed_bytes(message: str, total: int | None) -> int | None:
     return int(total * fraction) if 0 < fraction < 1 else None
 
 
-def facts(error: BaseException, kind: str) -> dict[str, Any]:
+def facts(error: BaseException, kind: str) -> protocol.OomFacts:
     """The rank's memory as it ran out (every figure in bytes), read at the failure."""
     import torch
 
     from ddpkit.rank import memory_model
 
-    out: dict[str, Any] = {"kind": kind, "asked": asked_bytes(str(error))}
+    out: protocol.OomFacts = {"kind": kind, "asked": asked_bytes(str(error))}
     out["world_size"] = int(os.environ.get("WORLD_SIZE", "1") or 1)
     device = _device(kind)
     modules, optimizers = memory_model.live_objects()
