@@ -42,11 +42,7 @@ class Scene:
 
     @property
     def wait(self) -> Wait:
-        return Wait(self.interrupted)
-
-    def interrupted(self) -> str | None:
-        """Why to give up a wait: a stop signal the launcher got."""
-        return signal.Signals(self.signals.last).name if self.signals.count else None
+        return Wait(self.signals.reason)
 
     def look(self, steps: bool | None = False, usage: bool | None = False) -> Snapshot:
         """Reap the workers that exited and look at every rank. A rank stuck after its error
@@ -70,12 +66,7 @@ def rank_failed(scene: Scene) -> report.Outcome:
     outcome = report.Outcome.rank_failed(snap, causes.OomWatch(), scene.growth)
 
     def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
-        alive = scene.look()
-        return places.collect(
-            Snapshot(alive.only(ranks), alive.wall, alive.mono, alive.state_dir),
-            hung=False,
-            wait=scene.wait,
-        )[0]
+        return places.collect(scene.look().narrowed(ranks), hung=False, wait=scene.wait)[0]
 
     culprit = blame.find_culprit(snap, places_of)
     log.debug("failed ranks %s; root cause rank %s", observe.failed(snap), outcome.root_rank)
@@ -137,8 +128,8 @@ def missing_at_init(scene: Scene) -> report.Outcome:
     snap = scene.look()
     missing = observe.missing_at_init(snap, scene.cfg.init_timeout)
     outcome = report.Outcome.launcher_failure(missing or "a rank never reached init")
-    absent = snap.only(v.rank for v in snap.ranks if v.absent) or snap.ranks
-    shown = Snapshot(absent, snap.wall, snap.mono, snap.state_dir)
+    absent = [v.rank for v in snap.ranks if v.absent]
+    shown = snap.narrowed(absent) if absent else snap
     outcome.details = places.collect(shown, False, scene.wait)[1]
     if not missing or missing.startswith("init_process_group did not complete"):
         outcome.fix = (

@@ -19,7 +19,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -90,6 +90,10 @@ class Snapshot:
     def only(self, ranks: Iterable[int]) -> tuple[RankView, ...]:
         chosen = set(ranks)
         return tuple(v for v in self.ranks if v.rank in chosen)
+
+    def narrowed(self, ranks: Iterable[int]) -> Snapshot:
+        """The same look, at these ranks only."""
+        return replace(self, ranks=self.only(ranks))
 
     @property
     def running(self) -> tuple[RankView, ...]:

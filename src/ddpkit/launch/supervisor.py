@@ -79,13 +79,9 @@ class Job:
     began: float = field(default_factory=time.monotonic)
     running: Running | None = None  # the attempt whose workers may be running
 
-    def interrupted(self) -> str | None:
-        """Why to give up a wait: a stop signal the launcher got."""
-        return signal.Signals(self.signals.last).name if self.signals.count else None
-
     @property
     def wait(self) -> Wait:
-        return Wait(self.interrupted)
+        return Wait(self.signals.reason)
 
 
 @dataclass
@@ -138,21 +134,19 @@ def launch(cfg: LaunchConfig) -> int:
 def drive(job: Job) -> int:
     """Step the job from STARTING to DONE, performing each step's actions; the exit code."""
     state = State()
-    running: Running | None = None
-    code = 1
     try:
         while state.phase is not Phase.DONE:
-            state, running, code = _step(job, state, running, code)
+            state = _step(job, state)
     finally:
         if job.running is not None and job.running.outcome is None:  # an error while it ran
             _stop(job, job.running)
-    return code
+    outcome = job.running.outcome if job.running is not None else None
+    return outcome.exit_code if outcome is not None else 1
 
 
-def _step(
-    job: Job, state: State, running: Running | None, code: int
-) -> tuple[State, Running | None, int]:
+def _step(job: Job, state: State) -> State:
     """One look, one step, its actions performed."""
+    running = job.running
     snap, events = _look(job, running, state)
     before = state.phase
     state, actions = lifecycle.step(state, snap, events)
@@ -163,22 +157,21 @@ def _step(
         if not isinstance(action, lifecycle.Watch):  # the job goes on: every poll
             log.debug("action: %s", action)
         if isinstance(action, lifecycle.Start):
-            running = _start(job, action)
+            running = _start(job, action)  # job.running from here
         elif isinstance(action, lifecycle.Collect):
             assert running is not None
             running.outcome = _collect_and_stop(job, running, action.verdict, state.attempt)
-            code = running.outcome.exit_code
         elif isinstance(action, lifecycle.Restart):
             assert running is not None
             _say_restart(job, running, action.new_round, state.attempt)
             job.node = crossnode.next_round(job.cfg, job.node)  # meet again
-            running = None
+            job.running = None  # stopped and said: the next attempt starts bare
         elif isinstance(action, lifecycle.Finish):
             assert running is not None
             _say_end(job, running)
         elif running is not None:
             _act(job, running, action, snap)
-    return state, running, code
+    return state
 
 
 def _look(job: Job, running: Running | None, state: State) -> tuple[Snapshot, Events]:
@@ -268,7 +261,6 @@ def _collect_and_stop(job: Job, running: Running, verdict: Verdict, attempt: int
     speed doctor's summary, and the report."""
     cfg, node, scene = job.cfg, job.node, running.scene
     workers = running.workers
-    outcome = report.Outcome.launcher_failure("the launcher stopped before the verdict")
     try:
         outcome = outcomes.COLLECTORS[verdict](scene)
         log.debug("outcome of %s: %s", verdict.value, outcome.summary)

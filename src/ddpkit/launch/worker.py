@@ -3,6 +3,7 @@ ended) and of the signals it received (`Signals`): the two types every launch mo
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from dataclasses import dataclass
 from types import FrameType
@@ -20,6 +21,10 @@ class Signals:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         self.last = signum
+
+    def reason(self) -> str | None:
+        """Why to give up a wait (`wait.Wait`'s give_up): the stop signal received, if any."""
+        return signal.Signals(self.last).name if self.count else None
 
 
 @dataclass

@@ -104,7 +104,7 @@ class SpeedWatch:
         self.notes: list[str] = []
         self.gpus = evidence.Gpus()
         self.hostinfo = evidence.Host()
-        self.next_read = self.next_eval = self.next_live = 0.0
+        self.next_eval = self.next_live = 0.0
         self.started = time.time()
         self.summaries: dict[int, RankSummary] = {}
         self.history: list[dict[str, Any]] = []  # episodes, for speed.json
