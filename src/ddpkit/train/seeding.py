@@ -1,5 +1,6 @@
-"""Seeding: the same seed on every rank for model init (so replicas start equal); data workers
-get rank-mixed seeds from ddpkit.train.loaders."""
+"""Seeding: the same seed on every rank for model init (so replicas start equal); `mix` makes
+one seed of several numbers (a rank's data workers, a batch's reads, a rank's streams re-seeded
+after a change of world size)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,10 @@ def seed_everything(seed: int) -> None:
     except ImportError:
         pass
     torch.manual_seed(seed)
+
+
+def mix(*parts: int) -> int:
+    value = 17
+    for part in parts:
+        value = (value * 1_000_003 + int(part) * 7919 + 1) % (2**63)
+    return value

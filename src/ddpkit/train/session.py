@@ -127,14 +127,18 @@ class Session:
         eval: bool = False,
         to_device: bool = False,
         seeded: bool = True,
+        keep_batch: str = "global",
         **dataloader_kwargs: Any,
     ) -> loaders.EpochLoader:
         """This rank's share of `dataset` (ddpkit.train.loaders.make_loader): resumable with
-        save_state/load_state; to_device=True moves each batch to s.device; seeded=False leaves
-        the randomness of Dataset.__getitem__ alone."""
+        save_state/load_state, at another world size too (ddpkit.train.dealing); to_device=True
+        moves each batch to s.device; seeded=False leaves the randomness of
+        Dataset.__getitem__ alone; keep_batch ('global' or 'per_rank') says what a resume at
+        another world size keeps."""
         return loaders.make_loader(
-            dataset, batch_size, self.place, shuffle, eval, to_device, seeded, **dataloader_kwargs
-        )
+            dataset, batch_size, self.place, shuffle, eval, to_device, seeded, keep_batch,
+            **dataloader_kwargs,
+        )  # fmt: skip
 
     # -- stop and resume -----------------------------------------------------------------
 

@@ -11,9 +11,11 @@ Layout (a folder per save, made atomic by a rename once every rank has written i
 
 A save killed midway leaves `path/.state-*.tmp` (ignored, removed by the next save) and the
 previous state loadable. `keep` states are kept, the older removed. Everything is read with
-weights_only=True. The model/optimizer part loads after a change of world size (a sharded
-model's too: torch.distributed.checkpoint reshards it); the per-rank part (RNG, loader
-positions) cannot follow one and says so. No rank ever gathers a whole sharded model.
+weights_only=True. Everything loads after a change of world size: the model/optimizer part as
+it is (a sharded model's too: torch.distributed.checkpoint reshards it); each s.loader's place
+in its epoch, which is the job's (ddpkit.train.dealing), from rank 0's part; each rank's random
+streams, which cannot follow, are re-seeded from (seed, state number, rank), said in one
+notice. No rank ever gathers a whole sharded model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +34,7 @@ import torch
 from ddpkit.errors import CheckpointError
 from ddpkit.train import comm
 from ddpkit.train.placement import Placement
+from ddpkit.train.seeding import mix, seed_everything
 
 STATE_PREFIX = "state-"
 DONE = "COMPLETE"
@@ -230,14 +234,19 @@ def load_state(
     folder = states[-1]
     shared = _read(folder / "shared.pt", device)
     saved_world = int(shared["world_size"])
-    per_rank = kinds and any(k == "loader" for k in kinds.values())
-    if saved_world != world_size and (rng or per_rank):
-        raise CheckpointError(
-            f"{folder} was saved by {saved_world} ranks and this job has {world_size}: each "
-            "rank's random state and loader position cannot follow to another world size",
-            fix="load only the replicated part: s.load_state(path, model=..., optimizer=..., "
-            "rng=False), without the loader (its epoch starts over)",
-        )
+    loaders = {n: objects[n] for n, k in kinds.items() if k == "loader"}
+    part: dict[str, Any] = {}
+    if rng or loaders:
+        # at the same world size each rank reads its own part; at another, rank 0's: the
+        # loaders' positions are the job's (the same on every rank), random states re-derived
+        source = rank if saved_world == world_size else 0
+        part = _read(folder / f"rank{source}.pt", torch.device("cpu"))
+    positions = {}
+    for name, loader in loaders.items():  # every check before anything is changed
+        if name not in part["loaders"]:
+            raise _missing(folder, name)
+        positions[name] = {"world": saved_world, **part["loaders"][name]}
+        loader.check_restore(positions[name], name)
     sharded = list(shared.get("sharded") or [])
     if sharded:
         mine_sharded = _sharded_part(objects, kinds) or []
@@ -261,16 +270,42 @@ def load_state(
                 raise _missing(folder, name)
             obj.clear()
             obj.update(shared["dicts"][name])
-    if rng or per_rank:
-        mine = _read(folder / f"rank{rank}.pt", torch.device("cpu"))
-        for name, kind in kinds.items():
-            if kind == "loader":
-                if name not in mine["loaders"]:
-                    raise _missing(folder, name)
-                objects[name].restore(mine["loaders"][name])
-        if rng:
-            set_rng_state(mine["rng"])
+    followed = [(name, loaders[name].restore(positions[name])) for name in loaders]
+    if rng and saved_world == world_size:
+        set_rng_state(part["rng"])
+    elif rng:
+        reseed(place.seed, _seq_of(folder), rank)
+    if saved_world != world_size and place.is_main:
+        _say_followed(folder, saved_world, world_size, followed, rng, place.seed)
     return True
+
+
+def reseed(seed: int, state: int, rank: int) -> None:
+    """Every random stream of this process from (seed, state, rank): Python, numpy, torch's
+    CPU generator and every GPU's. What a rank's saved streams become at another world size."""
+    seed_everything(mix(seed, state, rank))
+
+
+def _seq_of(folder: Path) -> int:
+    return int(folder.name[len(STATE_PREFIX) :])
+
+
+def _say_followed(
+    folder: Path,
+    saved: int,
+    world: int,
+    followed: list[tuple[str, str | None]],
+    rng: bool,
+    seed: int,
+) -> None:
+    lines = [f"ddpkit: {folder.name} was saved by {saved} ranks; this job has {world}:"]
+    lines += [f"  {name!r} {said}" for name, said in followed if said]
+    if rng:
+        lines.append(
+            "  each rank's random streams (Python, numpy, torch, CUDA) cannot follow: every "
+            f"rank re-seeds them from (seed {seed}, state {_seq_of(folder)}, its rank)"
+        )
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _line_up_buckets(obj: Any) -> None:

@@ -1,0 +1,106 @@
+"""A trainer in the shape of pytorch/examples' distributed/ddp-tutorial-series
+multigpu_torchrun.py (a Trainer class, `_run_epoch`, `_save_snapshot` every `save_every` epochs,
+`_load_snapshot` at start, `total_epochs save_every --batch_size`), with ddpkit's setup, loader
+and state in place of the tutorial's. It saves when asked to stop, so a job stopped on N ranks
+can go on with M. Every rank prints the sample ids of each batch it trains on:
+`rank R epoch E samples 3,17,...` and rank 0 each step's global loss.
+
+    ddpkit run -n 4 snapshot_trainer.py 2 1 --batch_size 3 --snapshot_path STATE [--sleep S]
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+import ddpkit
+
+
+class MyTrainDataset(Dataset):
+    def __init__(self, size):
+        g = torch.Generator().manual_seed(0)
+        self.size = size
+        self.data = [(torch.rand(20, generator=g), torch.rand(1, generator=g)) for _ in range(size)]
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return self.data[index][0], self.data[index][1], index
+
+
+class Trainer:
+    def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep):
+        self.s = s
+        self.model = s.wrap(model)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.sleep = sleep
+        self.meta = {"epochs_run": 0, "step": 0}
+        self.to_save = {"model": self.model, "optimizer": optimizer, "loader": train_data}
+        self.to_save["meta"] = self.meta
+        if s.load_state(snapshot_path, **self.to_save):
+            s.print(
+                f"Resuming training from snapshot at Epoch {self.meta['epochs_run']}", flush=True
+            )
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad()
+        output = self.model(source)
+        loss = F.mse_loss(output, targets)
+        loss.backward()
+        self.optimizer.step()
+        total = torch.stack([loss.detach() * len(source), torch.tensor(float(len(source)))])
+        dist.all_reduce(total)
+        self.meta["step"] += 1
+        self.s.print(f"step {self.meta['step']} loss {(total[0] / total[1]).item()!r}", flush=True)
+
+    def _run_epoch(self, epoch):
+        for source, targets, index in self.train_data:
+            print(f"rank {self.s.rank} epoch {epoch} samples "
+                  f"{','.join(map(str, index.tolist()))}", flush=True)  # fmt: skip
+            self._run_batch(source, targets)
+            if self.s.stop_requested:
+                self.s.save_state(self.snapshot_path, **self.to_save)
+                self.s.print(f"stopped at step {self.meta['step']}, snapshot saved", flush=True)
+                sys.exit(0)
+            time.sleep(self.sleep)
+
+    def train(self, max_epochs):
+        for epoch in range(self.meta["epochs_run"], max_epochs):
+            self.meta["epochs_run"] = epoch
+            self._run_epoch(epoch)
+            self.meta["epochs_run"] = epoch + 1
+            if epoch % self.save_every == 0:
+                self.s.save_state(self.snapshot_path, **self.to_save)
+
+
+def main(save_every, total_epochs, batch_size, snapshot_path, sleep):
+    with ddpkit.setup(seed=0) as s:
+        torch.manual_seed(0)
+        dataset = MyTrainDataset(240)
+        model = torch.nn.Linear(20, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        train_data = s.loader(dataset, batch_size=batch_size)
+        trainer = Trainer(s, model, train_data, optimizer, save_every, snapshot_path, sleep)
+        trainer.train(total_epochs)
+        s.print("finished", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="simple distributed training job")
+    parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=int, help="How often to save a snapshot")
+    parser.add_argument(
+        "--batch_size", default=32, type=int, help="Input batch size on each device"
+    )
+    parser.add_argument("--snapshot_path", default="snapshot", type=str)
+    parser.add_argument("--sleep", default=0.0, type=float, help="seconds per step")
+    args = parser.parse_args()
+    main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep)
