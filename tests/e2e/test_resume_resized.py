@@ -16,7 +16,7 @@ from tests.e2e.helpers import SCRIPTS, start
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = str(SCRIPTS / "snapshot_trainer.py")
-SAMPLES = re.compile(r"rank (\d) epoch (\d) samples ([\d,]+)")
+SAMPLES = re.compile(r"rank (\d) attempt \d epoch (\d) step \d+ samples ([\d,]+)")
 STEP = re.compile(r"step (\d+) loss (\S+)")
 
 

@@ -276,3 +276,70 @@ def test_a_node_that_joins_an_elastic_job_starts_a_new_round_for_all(two, tmp_pa
         assert f"rank {rank}] done" in text
     assert text.count("world=2") == 2, "every rank of the new round sees 2"
     assert_nothing_left([first, second])
+
+
+TRAINER = Path(__file__).parents[1] / "e2e" / "scripts" / "snapshot_trainer.py"
+SAMPLES = re.compile(r"rank \d+\] rank \d+ attempt (\d) epoch (\d) step (\d+) samples ([\d,]+)")
+
+
+def trained_on(text: str, resumed_at: int) -> dict[int, list[int]]:
+    """Each epoch's samples in the run's history: the first attempt's steps up to the state
+    the second resumed from (later ones were rolled back), then every step of the second."""
+    seen: dict[int, list[int]] = {}
+    for attempt, epoch, step, ids in SAMPLES.findall(text):
+        if attempt == "1" or int(step) <= resumed_at:
+            seen.setdefault(int(epoch), []).extend(int(i) for i in ids.split(","))
+    return seen
+
+
+def elastic(cluster: Cluster, tmp: Path, nodes: str) -> list[str]:
+    host = cluster.nodes[0].host  # serves the rendezvous: the node that must stay
+    conf = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+    return ["--nnodes", nodes, "--rdzv", f"{host}:29400", "--rdzv-conf", conf,
+            "--max-restarts", "1", "-n", "2", str(TRAINER), "2", "1", "--batch_size", "2",
+            "--snapshot_path", str(tmp / "snapshot"), "--save_steps", "4"]  # fmt: skip
+
+
+def test_a_lost_node_leaves_the_others_going_on_with_the_data_following(three, tmp_path):
+    # 3 nodes of 2 ranks, --nnodes 2:3: node 2 is killed mid-epoch; nodes 0 and 1 meet again
+    # at world size 4, resume from the last save (by 6 ranks) and finish both epochs
+    procs = run_on(three, tmp_path, [*elastic(three, tmp_path, "2:3"), "--sleep", "0.3"])
+    procs[0].wait_for("step 6 loss", timeout=120)
+    procs[2].popen.send_signal(signal.SIGKILL)  # its ranks die with their launcher
+    codes = [procs[0].finish(150), procs[1].finish(150)]
+    said = procs[0].stderr + procs[1].stderr
+    assert codes == [0, 0], said
+    assert re.search(r"node \d \(node2\) is gone: .*; the 2 nodes left go on", said), said
+    assert "continuing on 2 node(s), world size 4 (was 3 node(s), 6)" in said
+    assert "was saved by 6 ranks; this job has 4" in procs[0].stdout + said
+    text = "".join(p.stdout for p in procs)
+    resumed = int(re.search(r"Resuming training from snapshot at Epoch \d step (\d+)", text)[1])
+    assert resumed in (4, 8, 12, 16, 20), "a save mid-epoch (every 4 steps)"
+    for epoch, samples in trained_on(text, resumed).items():
+        assert sorted(samples) == list(range(240)), f"epoch {epoch}: every sample once"
+    assert_nothing_left(procs)
+
+
+def test_a_lost_node_below_min_ends_the_job_naming_it(two, tmp_path):
+    procs = run_on(two, tmp_path, [*elastic(two, tmp_path, "2:3"), "--sleep", "0.3"])
+    procs[0].wait_for("step 2 loss", timeout=120)
+    procs[1].popen.send_signal(signal.SIGKILL)
+    assert procs[0].finish(60) == 1
+    assert re.search(
+        r"node \d \(node1\) is gone: .*; 1 node left, fewer than --nnodes MIN 2: the job ends",
+        procs[0].stderr,
+    ), procs[0].stderr
+    assert "restarting" not in procs[0].stderr
+    assert_nothing_left(procs)
+
+
+def test_losing_the_node_that_serves_the_rendezvous_ends_the_job_saying_why(three, tmp_path):
+    procs = run_on(three, tmp_path, [*elastic(three, tmp_path, "2:3"), "--sleep", "0.3"])
+    procs[0].wait_for("step 2 loss", timeout=120)
+    procs[0].popen.send_signal(signal.SIGKILL)  # node0: --rdzv names it
+    codes = [procs[1].finish(60), procs[2].finish(60)]
+    said = procs[1].stderr + procs[2].stderr
+    assert codes == [1, 1], said
+    assert re.search(r"\(node0\) is gone: .*; it served the rendezvous, without which", said)
+    assert "restarting" not in said
+    assert_nothing_left(procs)

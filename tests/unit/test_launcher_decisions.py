@@ -8,7 +8,15 @@ import signal
 
 import pytest
 
-from ddpkit.launch.decide import Attempt, Next, Observation, Verdict, after_attempt, decide
+from ddpkit.launch.decide import (
+    Attempt,
+    Next,
+    Observation,
+    Verdict,
+    after_attempt,
+    decide,
+    goes_on,
+)
 
 RUNNING = (0, 1)
 
@@ -67,7 +75,7 @@ AFTER = [
     (Attempt(ok=False, max_restarts=1), Next.RESTART),
     (Attempt(ok=False, max_restarts=1, attempt=1), Next.DONE),
     (Attempt(ok=False, max_restarts=2, attempt=1), Next.RESTART),
-    (Attempt(ok=False, max_restarts=1, restartable=False), Next.DONE),  # a lost node
+    (Attempt(ok=False, max_restarts=1, restartable=False), Next.DONE),  # a lost node, not elastic
     (Attempt(ok=False, max_restarts=1, signalled=True), Next.DONE),  # the user stopped it
     (Attempt(ok=False, membership=True), Next.NEW_ROUND),
     (Attempt(ok=False, membership=True, max_restarts=0, attempt=5), Next.NEW_ROUND),
@@ -78,3 +86,26 @@ AFTER = [
 @pytest.mark.parametrize(("done", "then"), AFTER)
 def test_what_follows_an_attempt(done, then):
     assert after_attempt(done) == then
+
+
+# (nodes before the loss, --nnodes MIN (0: not elastic), restarts left, the rendezvous's node
+# lost) -> whether the nodes left go on, and how the lost node's line ends
+LOSSES = [
+    ((3, 0, 1, False), (False, "")),
+    ((3, 2, 1, False), (True, "; the 2 nodes left go on")),
+    ((2, 1, 1, False), (True, "; the 1 node left goes on")),
+    ((2, 2, 1, False), (False, "; 1 node left, fewer than --nnodes MIN 2: the job ends")),
+    (
+        (3, 2, 0, False),
+        (False, "; the 2 nodes left would go on with a restart to spare (--max-restarts)"),
+    ),  # fmt: skip
+    (
+        (3, 2, 1, True),
+        (False, "; it served the rendezvous, without which the nodes left cannot meet"),
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("loss", "then"), LOSSES)
+def test_whether_the_nodes_left_after_a_loss_go_on(loss, then):
+    assert goes_on(*loss) == then

@@ -40,7 +40,11 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
         "processes on this node: N, gpu (one per visible GPU), cpu "
         "(2 CPU processes on gloo) or auto (gpu when there are GPUs, else cpu)",
     ),
-    "nnodes": ("1", "number of nodes, or MIN:MAX for elastic membership with --rdzv"),
+    "nnodes": (
+        "1",
+        "number of nodes, or MIN:MAX for elastic membership with --rdzv (nodes may join; with "
+        "--max-restarts the nodes left go on after a loss)",
+    ),
     "node-rank": (None, "this node's rank, with --master-addr (static multi-node)"),
     "rdzv": (None, "HOST:PORT of torch elastic's c10d rendezvous, for multi-node"),
     "rdzv-conf": (

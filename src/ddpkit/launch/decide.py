@@ -92,3 +92,29 @@ def after_attempt(done: Attempt) -> Next:
     if done.restartable and done.attempt < done.max_restarts:
         return Next.RESTART
     return Next.DONE
+
+
+def goes_on(
+    nnodes: int, min_nodes: int, restarts_left: int, rendezvous_lost: bool = False
+) -> tuple[bool, str]:
+    """When one of `nnodes` nodes is lost: whether the nodes left go on without it (an elastic
+    job, --nnodes MIN:MAX, with at least MIN left, a restart to spare, and the node that serves
+    the rendezvous among them), and the words that end the lost node's line. `min_nodes` 0: a
+    job that is not elastic, which ends as it always did."""
+    left = nnodes - 1
+    if not min_nodes:
+        return False, ""
+    if rendezvous_lost:
+        return False, "; it served the rendezvous, without which the nodes left cannot meet"
+    if left < min_nodes:
+        return False, f"; {_nodes(left)} left, fewer than --nnodes MIN {min_nodes}: the job ends"
+    if restarts_left <= 0:
+        return (
+            False,
+            f"; the {_nodes(left)} left would go on with a restart to spare (--max-restarts)",
+        )
+    return True, f"; the {_nodes(left)} left go{'es' if left == 1 else ''} on"
+
+
+def _nodes(n: int) -> str:
+    return "1 node" if n == 1 else f"{n} nodes"

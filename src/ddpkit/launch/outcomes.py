@@ -78,7 +78,7 @@ def rank_failed(scene: Scene) -> report.Outcome:
         if isinstance(word, Abort):
             return report.Outcome.other_node(word)
         if isinstance(word, str):
-            return report.Outcome.node_lost(word)
+            return report.Outcome.node_lost(word, scene.peers.lost_goes_on())
     return outcome
 
 
@@ -89,12 +89,15 @@ def console_closed(scene: Scene) -> report.Outcome:
 def other_node(scene: Scene) -> report.Outcome:
     word = scene.peers.word()
     if word is None:  # said, then taken back (a membership change already handled)
-        return report.Outcome.node_lost(scene.peers.lost() or "another node stopped the job")
+        lost = scene.peers.lost()
+        goes_on = lost is not None and scene.peers.lost_goes_on()
+        return report.Outcome.node_lost(lost or "another node stopped the job", goes_on)
     return report.Outcome.other_node(word)
 
 
 def node_lost(scene: Scene) -> report.Outcome:
-    return report.Outcome.node_lost(scene.peers.lost() or "a node is gone")
+    peers = scene.peers
+    return report.Outcome.node_lost(peers.lost() or "a node is gone", peers.lost_goes_on())
 
 
 def success(scene: Scene) -> report.Outcome:

@@ -110,9 +110,10 @@ class Outcome:
         return cls(ok=False, exit_code=1, summary=summary)
 
     @classmethod
-    def node_lost(cls, summary: str) -> Outcome:
-        """Another node is gone (or node 0 is, to this node): the job cannot go on."""
-        return cls(ok=False, exit_code=1, summary=summary, restartable=False)
+    def node_lost(cls, summary: str, goes_on: bool = False) -> Outcome:
+        """Another node is gone (or node 0 is, to this node): the job ends, or, with --nnodes
+        MIN:MAX and enough nodes left, the others meet again without it (a restart)."""
+        return cls(ok=False, exit_code=1, summary=summary, restartable=goes_on)
 
     @classmethod
     def other_node(cls, abort: Abort) -> Outcome:

@@ -164,7 +164,12 @@ def _step(job: Job, state: State) -> State:
         elif isinstance(action, lifecycle.Restart):
             assert running is not None
             _say_restart(job, running, action.new_round, state.attempt)
+            had = job.node.nnodes
             job.node = crossnode.next_round(job.cfg, job.node)  # meet again
+            if job.node.nnodes != had:
+                world = job.node.nnodes * job.cfg.nproc_per_node
+                _say(f"continuing on {job.node.nnodes} node(s), world size {world} "
+                     f"(was {had} node(s), {had * job.cfg.nproc_per_node})")  # fmt: skip
             job.running = None  # stopped and said: the next attempt starts bare
         elif isinstance(action, lifecycle.Finish):
             assert running is not None
@@ -216,7 +221,9 @@ def _start(job: Job, action: lifecycle.Start) -> Running:
     cfg, node = job.cfg, job.node
     state_dir = job.run_dir / f"state{action.rounds}"
     state_dir.mkdir(mode=0o700)
-    peers = peers_of(node, cfg.node_timeout, elastic=cfg.min_nodes < cfg.nnodes)
+    elastic = cfg.min_nodes < cfg.nnodes
+    restarts_left = cfg.max_restarts - action.attempt
+    peers = peers_of(node, cfg.node_timeout, elastic, cfg.min_nodes * elastic, restarts_left)
     peers.start()
     workers: list[Worker] = []
     speed = SpeedWatch(job.run_dir, cfg.straggler_threshold, cfg.straggler_window, node.host, peers)

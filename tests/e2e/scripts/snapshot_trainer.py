@@ -2,13 +2,15 @@
 multigpu_torchrun.py (a Trainer class, `_run_epoch`, `_save_snapshot` every `save_every` epochs,
 `_load_snapshot` at start, `total_epochs save_every --batch_size`), with ddpkit's setup, loader
 and state in place of the tutorial's. It saves when asked to stop, so a job stopped on N ranks
-can go on with M. Every rank prints the sample ids of each batch it trains on:
-`rank R epoch E samples 3,17,...` and rank 0 each step's global loss.
+can go on with M; `--save_steps N` saves every N steps too. Every rank prints the sample ids
+of each batch it trains on: `rank R attempt A epoch E step S samples 3,17,...` (A: the
+launcher's restart count) and rank 0 each step's global loss.
 
     ddpkit run -n 4 snapshot_trainer.py 2 1 --batch_size 3 --snapshot_path STATE [--sleep S]
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -34,7 +36,7 @@ class MyTrainDataset(Dataset):
 
 
 class Trainer:
-    def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep):
+    def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep, steps):
         self.s = s
         self.model = s.wrap(model)
         self.train_data = train_data
@@ -42,30 +44,35 @@ class Trainer:
         self.save_every = save_every
         self.snapshot_path = snapshot_path
         self.sleep = sleep
+        self.save_steps = steps
         self.meta = {"epochs_run": 0, "step": 0}
         self.to_save = {"model": self.model, "optimizer": optimizer, "loader": train_data}
         self.to_save["meta"] = self.meta
         if s.load_state(snapshot_path, **self.to_save):
-            s.print(
-                f"Resuming training from snapshot at Epoch {self.meta['epochs_run']}", flush=True
-            )
+            epoch, step = self.meta["epochs_run"], self.meta["step"]
+            s.print(f"Resuming training from snapshot at Epoch {epoch} step {step}", flush=True)
 
     def _run_batch(self, source, targets):
+        source, targets = source.to(self.s.device), targets.to(self.s.device)
         self.optimizer.zero_grad()
         output = self.model(source)
         loss = F.mse_loss(output, targets)
         loss.backward()
         self.optimizer.step()
-        total = torch.stack([loss.detach() * len(source), torch.tensor(float(len(source)))])
+        count = torch.tensor(float(len(source)), device=self.s.device)
+        total = torch.stack([loss.detach() * len(source), count])
         dist.all_reduce(total)
         self.meta["step"] += 1
         self.s.print(f"step {self.meta['step']} loss {(total[0] / total[1]).item()!r}", flush=True)
 
     def _run_epoch(self, epoch):
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         for source, targets, index in self.train_data:
-            print(f"rank {self.s.rank} epoch {epoch} samples "
-                  f"{','.join(map(str, index.tolist()))}", flush=True)  # fmt: skip
             self._run_batch(source, targets)
+            print(f"rank {self.s.rank} attempt {attempt} epoch {epoch} step {self.meta['step']} "
+                  f"samples {','.join(map(str, index.tolist()))}", flush=True)  # fmt: skip
+            if self.save_steps and self.meta["step"] % self.save_steps == 0:
+                self.s.save_state(self.snapshot_path, **self.to_save)
             if self.s.stop_requested:
                 self.s.save_state(self.snapshot_path, **self.to_save)
                 self.s.print(f"stopped at step {self.meta['step']}, snapshot saved", flush=True)
@@ -81,14 +88,16 @@ class Trainer:
                 self.s.save_state(self.snapshot_path, **self.to_save)
 
 
-def main(save_every, total_epochs, batch_size, snapshot_path, sleep):
+def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps):
     with ddpkit.setup(seed=0) as s:
         torch.manual_seed(0)
         dataset = MyTrainDataset(240)
         model = torch.nn.Linear(20, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         train_data = s.loader(dataset, batch_size=batch_size)
-        trainer = Trainer(s, model, train_data, optimizer, save_every, snapshot_path, sleep)
+        trainer = Trainer(
+            s, model, train_data, optimizer, save_every, snapshot_path, sleep, save_steps
+        )
         trainer.train(total_epochs)
         s.print("finished", flush=True)
 
@@ -102,5 +111,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--snapshot_path", default="snapshot", type=str)
     parser.add_argument("--sleep", default=0.0, type=float, help="seconds per step")
+    parser.add_argument("--save_steps", default=0, type=int, help="also save every N steps")
     args = parser.parse_args()
-    main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep)
+    main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep,
+         args.save_steps)  # fmt: skip

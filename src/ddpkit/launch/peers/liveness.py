@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ddpkit.launch.decide import goes_on
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded
@@ -74,11 +75,22 @@ def _sign(body: str) -> str:
 class Liveness:
     """The beat thread of one node for one round."""
 
-    def __init__(self, node: NodeGroup, timeout: float, elastic: bool = False) -> None:
+    def __init__(
+        self,
+        node: NodeGroup,
+        timeout: float,
+        elastic: bool = False,
+        min_nodes: int = 0,
+        restarts_left: int = 0,
+    ) -> None:
         self.node = node
         self.timeout = timeout
         self.elastic = elastic  # node 0 asks the rendezvous whether nodes wait to join
+        # a lost node: the others go on when at least min_nodes are left and a restart is
+        self.min_nodes = min_nodes  # 0: not elastic
+        self.restarts_left = restarts_left
         self.lost: str | None = None  # a node is gone (set once)
+        self.lost_goes_on = False  # ... and the nodes left go on without it
         self.abort: Abort | None = None  # what some node published
         self.hang_asked = False
         self.last_remote_progress = time.monotonic()  # node 0: any other node's ranks progressed
@@ -151,10 +163,13 @@ class Liveness:
                 last_ok = now
             except StoreUnreachableError as err:
                 if time.monotonic() - last_ok >= self.timeout and me != 0:
+                    self.lost_goes_on, then = goes_on(
+                        node.nnodes, self.min_nodes, self.restarts_left, node.hosts_rendezvous(0)
+                    )
                     self.lost = (
                         f"node 0 ({node.host_of(0)}) is gone: the job's store at "
                         f"{node.master_addr}:{node.master_port} has not answered for "
-                        f"{self.timeout:g} s ({err})"
+                        f"{self.timeout:g} s ({err}){then}"
                     )
                     return
             if self.lost:
@@ -183,12 +198,18 @@ class Liveness:
                 continue
             stalled = now - seen[keys.beat(n)][1]
             if stalled >= self.timeout:
+                self.lost_goes_on, then = goes_on(
+                    self.node.nnodes,
+                    self.min_nodes,
+                    self.restarts_left,
+                    self.node.hosts_rendezvous(n),
+                )
                 self.lost = (
                     f"node {n} ({self.node.host_of(n)}) is gone: its launcher has not answered "
-                    f"for {stalled:.0f} s (--node-timeout {self.timeout:g})"
+                    f"for {stalled:.0f} s (--node-timeout {self.timeout:g}){then}"
                 )
-                # the other nodes stop for the same reason, in the same words
-                abort = Abort(0, self.lost, 1, restart=False)
+                # the other nodes stop (or meet again) for the same reason, in the same words
+                abort = Abort(0, self.lost, 1, restart=self.lost_goes_on)
                 try:
                     store.set(keys.ABORT, abort.to_json())
                 except StoreUnreachableError:

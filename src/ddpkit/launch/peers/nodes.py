@@ -55,6 +55,7 @@ class NodeGroup:
     rendezvous: RendezvousHandler | None = None  # torch elastic's handler, with --rdzv
     rdzv_host: str = ""
     kept: list[TCPStore] = field(default_factory=list)  # stores of earlier rounds, kept to the end
+    rendezvous_node: int | None = None  # the node that serves the rendezvous (--rdzv), if one
 
     @property
     def multi_node(self) -> bool:
@@ -72,6 +73,11 @@ class NodeGroup:
 
     def host_of(self, node: int) -> str:
         return self.hosts[node] if node < len(self.hosts) else f"node {node}"
+
+    def hosts_rendezvous(self, node: int) -> bool:
+        """Node `node` is the machine the rendezvous endpoint names (each node says so of
+        itself when it registers)."""
+        return self.rendezvous_node == node
 
     def serve_store(self, timeout: float, wait: Wait) -> None:
         """On one node: turn the held port into the workers' store (once). The store's own
@@ -203,7 +209,7 @@ def _register(node: NodeGroup, cfg: LaunchConfig, deadline: float) -> None:
     where = f"{node.master_addr}:{node.master_port}"
     host = socket.gethostname()
     store = BoundedStore(node.store_addr, node.master_port, CALL_LIMIT, prefix)
-    me = json.dumps({"host": host, "pid": os.getpid()})
+    me = json.dumps({"host": host, "pid": os.getpid(), "rendezvous": serves_rendezvous(node)})
     seconds = max(0.0, deadline - time.monotonic())
     failure: list[StoreUnreachableError] = []
 
@@ -245,7 +251,9 @@ def _register(node: NodeGroup, cfg: LaunchConfig, deadline: float) -> None:
             f"{cfg.init_timeout:g} s",
             fix=f"start `ddpkit run` on every node; check that each can reach {where}",
         )
-    hosts = [json.loads(store.get(keys.registration(n)))["host"] for n in range(node.nnodes)]
+    records = [json.loads(store.get(keys.registration(n))) for n in range(node.nnodes)]
+    hosts = [r["host"] for r in records]
+    node.rendezvous_node = next((n for n, r in enumerate(records) if r.get("rendezvous")), None)
     node.run_id = store.get(keys.RUN_ID, limit=_left(deadline))
     store.get(keys.READY, limit=_left(deadline))
     node.hosts, node.store = hosts, store

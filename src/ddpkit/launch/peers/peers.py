@@ -26,6 +26,7 @@ class Peers(Protocol):
     def start(self) -> None: ...
     def word(self) -> Abort | None: ...  # another node stopped the job (or nodes join)
     def lost(self) -> str | None: ...  # another node is gone (or node 0, to this one)
+    def lost_goes_on(self) -> bool: ...  # ... and the nodes left go on (--nnodes MIN:MAX)
     def hang_asked(self) -> bool: ...  # node 0 asks where this node's ranks are
     def progressed(self) -> None: ...  # a rank of this node made progress
     def last_remote_progress(self) -> float | None: ...  # any other node's, monotonic
@@ -55,6 +56,9 @@ class NoPeers:
 
     def lost(self) -> str | None:
         return None
+
+    def lost_goes_on(self) -> bool:
+        return False
 
     def hang_asked(self) -> bool:
         return False
@@ -116,6 +120,9 @@ class NodePeers:
     def lost(self) -> str | None:
         return self.live.lost
 
+    def lost_goes_on(self) -> bool:
+        return self.live.lost_goes_on
+
     def hang_asked(self) -> bool:
         """Once per round: node 0 asked where this node's ranks are."""
         if self.live.hang_asked and not self._answered:
@@ -162,12 +169,16 @@ class NodePeers:
         return f"liveness: {self.live.beats} beats, longest gap {self.live.longest_gap:.2f} s"
 
 
-def peers_of(node: NodeGroup, node_timeout: float, elastic: bool) -> Peers:
+def peers_of(
+    node: NodeGroup, node_timeout: float, elastic: bool, min_nodes: int = 0, restarts_left: int = 0
+) -> Peers:
     """This round's peers: a beat thread over the store for several nodes (or an elastic job of
-    one node so far, which watches for nodes that want to join), none for one node."""
+    one node so far, which watches for nodes that want to join), none for one node. A lost
+    node leaves the others going on when at least `min_nodes` are left and a restart is."""
     if not node.multi_node and not (elastic and node.store is not None):
         return NoPeers()
-    return NodePeers(node, Liveness(node, node_timeout, elastic=elastic))
+    live = Liveness(node, node_timeout, elastic, min_nodes, restarts_left)
+    return NodePeers(node, live)
 
 
 def wait_for_word(peers: Peers, wait: Wait, seconds: float) -> Abort | str | None:
