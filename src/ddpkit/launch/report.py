@@ -1,56 +1,30 @@
 """What happened to a job, in a few lines: the root-cause rank, how it ended, and its last
 words (stderr tail), followed by the other ranks and where the logs are.
 
-The root cause is the rank that failed first: each rank's bootstrap writes uncaught exceptions
-with a timestamp to its own error file, so a rank whose peers died of "connection reset" is
-not blamed for them.
+Which rank is the root cause, and why it died, is decided in ddpkit.launch.causes (the rank
+that failed first: each rank's bootstrap writes uncaught exceptions with a timestamp to its own
+error file, so a rank whose peers died of "connection reset" is not blamed for them); this
+module writes the outcome down.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
-from ddpkit.launch import causes, oom_verdict
-from ddpkit.launch.causes import short
+from ddpkit.launch import causes
+from ddpkit.launch.causes import describe_exit, short
 from ddpkit.launch.hang import mismatch
 from ddpkit.launch.hang.blame import Culprit
 from ddpkit.launch.peers.liveness import Abort
 from ddpkit.launch.rundir import open_private
-from ddpkit.launch.snapshot import RankView, Snapshot
+from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.worker import Worker
 
 HANG_EXIT_CODE = 124  # as GNU timeout's
-
-SAME_MOMENT = 1.0  # seconds within which ranks failing the same way failed together
-VICTIM_WORDS = protocol.VICTIM_WORDS  # a rank's error that says a peer failed first
-
-
-def _same_error(a: protocol.ErrorRecord, b: protocol.ErrorRecord) -> bool:
-    """The same error on two ranks: its type, and its words but for the numbers in them."""
-    return a.type == b.type and re.sub(r"\d+", "#", a.message) == re.sub(r"\d+", "#", b.message)
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"died of {signal.Signals(-code).name}"
-        except ValueError:
-            return f"died of signal {-code}"
-    return f"exited with code {code}"
-
-
-def exit_code_of(code: int) -> int:
-    """A rank's return code as a shell would report it: 128+N for signal N."""
-    return 128 - code if code < 0 else code
 
 
 @dataclass
@@ -134,64 +108,16 @@ class Outcome:
         oom: causes.OomWatch | None = None,
         growth: Callable[[int], str | None] | None = None,
     ) -> Outcome:
-        """The root cause among the ranks that exited non-zero in `snap`."""
-        failed = snap.exited_nonzero
-        state_dir = snap.state_dir
-        errors = {w.rank: w.error for w in failed if w.error is not None}
-
-        def order(w: RankView) -> tuple[bool, float]:
-            error = errors.get(w.rank)
-            if error is None:
-                return False, w.ended_wall
-            return any(word in error.message for word in VICTIM_WORDS), error.time
-
-        root = min(failed, key=order)
-        first = errors.get(root.rank)
-        if first is not None:  # ranks that failed the same way at once: the lowest names it
-            same = [
-                w
-                for w in failed
-                if (e := errors.get(w.rank)) is not None
-                and _same_error(e, first)
-                and e.time - first.time < SAME_MOMENT
-            ]
-            root = min(same, key=lambda w: w.rank)
-        victim = order(root)[0] is True
-        summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
-        fix = ""
-        error = errors.get(root.rank)
-        code = root.exit_code or 0
-        if code < 0 and -code in causes.FATAL and (site := causes.fault_site(root.fault)):
-            summary += f" at {site}"
-        killed = {root.pid} if code == -signal.SIGKILL else causes.killed_worker_pids(error)
-        if killed and oom is not None and oom.killed(killed):
-            summary = f"rank {root.rank} {oom.text(root.rss)}"
-            fix = causes.OOM_FIX
-        if error is not None:
-            site = causes.error_site(error)
-            memory_facts = root.memory
-            if memory_facts is not None:  # out of memory: what it held, and what would fit
-                grew = growth(root.rank) if growth is not None else None
-                summary, fix = oom_verdict.verdict(memory_facts, root.rank, site, grew)
-                snapshot = protocol.state_path(state_dir, root.rank, protocol.MEMORY_SNAPSHOT)
-                if root.memory_snapshot:
-                    fix += (
-                        f"\n  memory snapshot: {snapshot} (open it in "
-                        "https://pytorch.org/memory_viz); plot: "
-                        f"{protocol.state_path(state_dir, root.rank, protocol.MEMORY_PLOT)}"
-                    )
-            else:
-                summary += f" ({causes.error_text(error)})"
-                if site:
-                    summary += f" at {site}"
-                fix = fix or error.fix
+        """The root cause among the ranks that exited non-zero in `snap`
+        (ddpkit.launch.causes.root_cause)."""
+        cause = causes.root_cause(snap, oom, growth)
         return cls(
             ok=False,
-            exit_code=exit_code_of(code),
-            summary=summary,
-            root_rank=root.rank,
-            victim=victim,
-            fix=fix,
+            exit_code=cause.exit_code,
+            summary=cause.summary,
+            root_rank=cause.rank,
+            victim=cause.victim,
+            fix=cause.fix,
         )
 
     def blame(self, culprit: Culprit, snap: Snapshot) -> None:
