@@ -19,7 +19,7 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from ddpkit.common.store_server import serve_fd
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # the launcher imports torch only when it serves or dials a s
     from torch._C._distributed_c10d import TCPStore
 
 T = TypeVar("T")
+
+StoreArg = str | bytes | int | list[str]  # what a TCPStore call takes
 
 
 class StoreUnreachableError(Exception):
@@ -74,11 +76,13 @@ class BoundedStore:
             self._client = connect(self.addr, self.port, self.limit)
         return self._client
 
-    def call(self, method: str, *args: Any, limit: float | None = None) -> Any:
+    def call(self, method: str, *args: StoreArg, limit: float | None = None) -> object:
+        """TCPStore's `method` (set, get, add, check, multi_get) with `args`, bounded; what it
+        returned (the typed wrappers below say what that is)."""
         bound = self.limit if limit is None else limit
 
-        def go() -> Any:
-            return getattr(self._connected(), method)(*args)
+        def go() -> object:
+            return cast(object, getattr(self._connected(), method)(*args))
 
         try:
             value = bounded(go, bound, f"{method} on the store at {self.where}")
@@ -96,10 +100,10 @@ class BoundedStore:
         self.call("set", self.key(name), value)
 
     def get(self, name: str, limit: float | None = None) -> str:
-        return bytes(self.call("get", self.key(name), limit=limit)).decode()
+        return cast(bytes, self.call("get", self.key(name), limit=limit)).decode()
 
     def add(self, name: str, amount: int) -> int:
-        return int(self.call("add", self.key(name), amount))
+        return int(cast(int, self.call("add", self.key(name), amount)))
 
     def has(self, name: str) -> bool:
         return bool(self.call("check", [self.key(name)]))
@@ -108,7 +112,7 @@ class BoundedStore:
         """Several counters in one round trip where this torch has multi_get."""
         keys = [self.key(n) for n in names]
         try:
-            values = self.call("multi_get", keys)
+            values = cast(list[bytes], self.call("multi_get", keys))
         except StoreUnreachableError as err:
             if not isinstance(err.__cause__, AttributeError):
                 raise

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import psutil
 
@@ -25,6 +25,58 @@ THROTTLES = {
     0x40: "hardware thermal slowdown",
     0x80: "power brake",
 }
+
+
+class OtherProcess(TypedDict):
+    """A process of another job on a rank's GPU."""
+
+    pid: int
+    name: str
+    mib: int  # GPU memory it holds
+
+
+class GpuFacts(TypedDict, total=False):
+    """What NVML says of a rank's GPU; any fact may be missing."""
+
+    index: int
+    sm_mhz: int
+    max_sm_mhz: int
+    temp_c: int
+    power_w: float
+    power_limit_w: float
+    util: int
+    mem_used_mib: int
+    mem_total_mib: int
+    throttle: list[str]  # THROTTLES' names
+    other_processes: list[OtherProcess]
+
+
+class HostFacts(TypedDict, total=False):
+    """The host's CPU and memory, as psutil reads them."""
+
+    cores: int
+    cpu_percent: float
+    load1: float
+    steal_percent: float
+    mem_percent: float
+
+
+class Competitor(TypedDict):
+    """A process outside the job busy on a rank's cores."""
+
+    pid: int
+    name: str
+    percent: float  # of a core, the part that can fall on the rank's cores
+
+
+class RankFacts(TypedDict, total=False):
+    """The evidence beside a rank's step times (also sent between nodes as JSON)."""
+
+    host: HostFacts
+    cpu_share: float  # cores the rank's process tree used
+    cpu_demand: float  # cores it ran or waited to run on
+    gpu: GpuFacts
+    competitors: list[Competitor]
 
 
 class Gpus:
@@ -53,12 +105,12 @@ class Gpus:
             self.handles[uuid] = self.nvml.nvmlDeviceGetHandleByUUID(name)
         return self.handles[uuid]
 
-    def facts(self, uuid: str, job_pids: AbstractSet[int] = frozenset()) -> dict[str, Any]:
+    def facts(self, uuid: str, job_pids: AbstractSet[int] = frozenset()) -> GpuFacts:
         """What NVML says of the GPU now ({} without NVML or for an unknown UUID)."""
         if self.nvml is None or not uuid:
             return {}
         nv = self.nvml
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         try:
             h = self._handle(uuid)
             out["index"] = int(nv.nvmlDeviceGetIndex(h))
@@ -86,14 +138,14 @@ class Gpus:
             bits = int(reasons(h))
             out["throttle"] = [name for bit, name in THROTTLES.items() if bits & bit]
         with contextlib.suppress(Exception):
-            others = []
+            others: list[OtherProcess] = []
             for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
                 if p.pid in job_pids:
                     continue
                 mib = (p.usedGpuMemory or 0) // 2**20
                 others.append({"pid": p.pid, "name": _name(p.pid), "mib": mib})
             out["other_processes"] = others
-        return out
+        return cast(GpuFacts, out)  # the keys read above, each only when NVML answered
 
 
 def _name(pid: int) -> str:
@@ -115,8 +167,8 @@ class Host:
         self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, when)
         self._demand: dict[int, tuple[float, float]] = {}  # pid -> (run + queued s, when)
 
-    def facts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"cores": psutil.cpu_count() or 1}
+    def facts(self) -> HostFacts:
+        out: HostFacts = {"cores": psutil.cpu_count() or 1}
         with contextlib.suppress(Exception):
             out["cpu_percent"] = psutil.cpu_percent()
         with contextlib.suppress(Exception):
@@ -170,7 +222,7 @@ def part_on(cores: set[int], mine: set[int]) -> float:
     return len(cores & mine) / len(cores) if cores else 0.0
 
 
-def competitors(pid: int, job_pids: set[int], limit: int = 3) -> list[dict[str, Any]]:
+def competitors(pid: int, job_pids: set[int], limit: int = 3) -> list[Competitor]:
     """Processes outside the job busy on the cores the rank may run on (its affinity), the
     busiest there first; empty when the rank may run on every core (then the host load says
     more). A process is charged the part of its CPU time that can fall on the rank's cores (a
@@ -193,7 +245,7 @@ def competitors(pid: int, job_pids: set[int], limit: int = 3) -> list[dict[str, 
                 proc.cpu_percent()
                 candidates.append((proc, part_on(cores, mine)))
     time.sleep(0.2)
-    busy = []
+    busy: list[Competitor] = []
     for proc, part in candidates:
         with contextlib.suppress(psutil.Error):
             share = proc.cpu_percent() * part

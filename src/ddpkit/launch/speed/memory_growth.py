@@ -15,9 +15,9 @@ from __future__ import annotations
 import collections
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
 
 from ddpkit.common.units import size
+from ddpkit.launch.speed.records import MemoryFigures
 
 LEAK_WINDOW = 15  # samples (one a second) a leak is judged on
 LEAK_MIN_BYTES = 64 * 2**20  # growth over the window below this is noise
@@ -114,7 +114,7 @@ class MemoryWatch:
         mine = self.ranks.get(rank)
         return mine.grew if mine is not None and mine.grew else None
 
-    def figures(self, rank: int) -> dict[str, Any]:
+    def figures(self, rank: int) -> MemoryFigures:
         mine = self.ranks.get(rank)
         if mine is None:
             return {}
@@ -123,7 +123,7 @@ class MemoryWatch:
         return {"resident": mine.now, "peak": mine.peak}
 
 
-def describe(figures: dict[str, Any]) -> str:
+def describe(figures: MemoryFigures) -> str:
     """'peak 3.1/4.0 GiB' (GPU: peak allocated / reserved) or 'rss 1.2 GiB' (CPU)."""
     if not figures:
         return "-"

@@ -21,13 +21,14 @@ import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 from ddpkit.common import nccl_transport, procs, protocol
 from ddpkit.launch.peers.peers import NoPeers, Peers
 from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.speed import evidence, straggler
+from ddpkit.launch.speed.evidence import HostFacts, RankFacts
 from ddpkit.launch.speed.memory_growth import MemoryWatch
+from ddpkit.launch.speed.records import Episode, JobRow, LiveRow, MemoryFigures, SpeedReport
 from ddpkit.launch.speed.straggler import Finding, RankSummary
 from ddpkit.launch.speed.verdicts import summary_text, verdict
 
@@ -62,7 +63,7 @@ class Track:
                 if len(self.kept) >= KEEP:
                     self.kept, self.every = self.kept[::2], self.every * 2
 
-    def summary(self, host: str, facts: dict[str, Any]) -> RankSummary | None:
+    def summary(self, host: str, facts: RankFacts) -> RankSummary | None:
         if not self.window:
             return None
         w = list(self.window)
@@ -107,7 +108,7 @@ class SpeedWatch:
         self.next_eval = self.next_live = 0.0
         self.started = time.time()
         self.summaries: dict[int, RankSummary] = {}
-        self.history: list[dict[str, Any]] = []  # episodes, for speed.json
+        self.history: list[Episode] = []  # episodes, for speed.json
         self.transport: str | None = None  # NCCL's, once its log says it is connected
 
     def watch(self, pids: dict[int, int]) -> None:
@@ -142,8 +143,8 @@ class SpeedWatch:
         self.notes.extend(self.memory.notes)
         self.memory.notes.clear()
 
-    def _facts(self, track: Track, job: set[int], host: dict[str, Any]) -> dict[str, Any]:
-        facts: dict[str, Any] = {"host": host}
+    def _facts(self, track: Track, job: set[int], host: HostFacts) -> RankFacts:
+        facts: RankFacts = {"host": host}
         share = self.hostinfo.cpu_share(track.pid)
         if share is not None:
             facts["cpu_share"] = share
@@ -242,8 +243,12 @@ class SpeedWatch:
             return
         current = self.episodes.current
         rows = [
-            live_row(s, current is not None and current.rank == s.rank, self.tracks.get(s.rank))
-            | {"memory": self.memory.figures(s.rank)}
+            live_row(
+                s,
+                current is not None and current.rank == s.rank,
+                self.tracks.get(s.rank),
+                self.memory.figures(s.rank),
+            )
             for s in sorted(self.summaries.values(), key=lambda s: s.rank)
         ]
         body = {"time": time.time(), "window": self.window, "ranks": rows}
@@ -263,13 +268,11 @@ class SpeedWatch:
         self._take(last)
         self._check_transport()  # a short job may end before an evaluation read it
         self.gpus.close()
-        rows = []
+        rows: list[JobRow] = []
         for track in sorted(self.tracks.values(), key=lambda t: t.rank):
             if len(track.kept) < straggler.MIN_STEPS:
                 continue
-            rows.append(
-                whole_job_row(track, self.host) | {"memory": self.memory.figures(track.rank)}
-            )
+            rows.append(whole_job_row(track, self.host, self.memory.figures(track.rank)))
         if not rows:
             return ""
         slowest = max(rows, key=lambda r: r["own_median"])
@@ -278,7 +281,7 @@ class SpeedWatch:
         typical = statistics.median(others)
         cost = max(0.0, slowest["own_median"] - typical) * slowest["steps"]
         total = max(r["total_s"] for r in rows)
-        report = {
+        report: SpeedReport = {
             "ranks": rows,
             "slowest": {
                 "rank": slowest["rank"],
@@ -297,10 +300,8 @@ class SpeedWatch:
         return summary_text(report)
 
 
-def live_row(s: RankSummary, slow: bool, track: Track | None) -> dict[str, Any]:
-    split = {p: getattr(s, p if p != "host" else "other") for p in ("data", "compute", "comm")}
-    split["host"] = s.other
-    whole = sum(split.values()) or 1.0
+def live_row(s: RankSummary, slow: bool, track: Track | None, memory: MemoryFigures) -> LiveRow:
+    whole = (s.data + s.compute + s.comm + s.other) or 1.0
     last = track.window[-1].total if track is not None and track.window else s.total
     return {
         "rank": s.rank,
@@ -311,13 +312,19 @@ def live_row(s: RankSummary, slow: bool, track: Track | None) -> dict[str, Any]:
         "median_s": s.total,
         "p90_s": s.total_p90,
         "steps_per_s": 1.0 / s.total if s.total > 0 else 0.0,
-        "split": {k: v / whole for k, v in split.items()},
+        "split": {
+            "data": s.data / whole,
+            "compute": s.compute / whole,
+            "comm": s.comm / whole,
+            "host": s.other / whole,
+        },
         "straggler": slow,
         "facts": s.facts,
+        "memory": memory,
     }
 
 
-def whole_job_row(track: Track, host: str) -> dict[str, Any]:
+def whole_job_row(track: Track, host: str, memory: MemoryFigures) -> JobRow:
     totals = sorted(k[0] for k in track.kept)
     sums = [sum(k[i] for k in track.kept) for i in range(5)]
     whole = sums[0] or 1.0
@@ -336,6 +343,7 @@ def whole_job_row(track: Track, host: str) -> dict[str, Any]:
             "comm": sums[3] / whole,
             "host": sums[4] / whole,
         },
+        "memory": memory,
     }
 
 

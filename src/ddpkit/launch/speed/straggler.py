@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+
+from ddpkit.launch.speed.evidence import RankFacts
 
 PARTS = ("data", "compute", "host")  # the rank's own time; comm is waiting for the others
 IDLE_SHARE = 0.5  # of the step its 'compute' takes: a CPU rank demanding less of a core waits
@@ -40,9 +41,7 @@ class RankSummary:
     other: float  # the host's own time ("host" in the step record)
     total_p90: float = 0.0
     gpu: str = ""  # e.g. "GPU 3"
-    facts: dict[str, Any] = field(
-        default_factory=dict
-    )  # NVML and host evidence (ddpkit.launch.speed.evidence)
+    facts: RankFacts = field(default_factory=RankFacts)  # NVML and host evidence
 
     @property
     def own(self) -> float:

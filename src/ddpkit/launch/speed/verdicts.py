@@ -8,9 +8,9 @@ import shutil
 import statistics
 import textwrap
 from collections.abc import Callable
-from typing import Any
 
 from ddpkit.launch.speed.memory_growth import describe
+from ddpkit.launch.speed.records import JobRow, SpeedReport
 from ddpkit.launch.speed.straggler import Finding, RankSummary
 
 
@@ -64,8 +64,7 @@ def evidence_words(
     said, fixes = [], []
     gpu = me.facts.get("gpu") or {}
     if gpu:
-        clocks = [o.facts.get("gpu", {}).get("sm_mhz") for o in others]
-        clocks = [c for c in clocks if c]
+        clocks = [c for o in others if (c := o.facts.get("gpu", {}).get("sm_mhz"))]
         if gpu.get("sm_mhz") and clocks:
             said.append(
                 f"{me.gpu or 'its GPU'} runs at {gpu['sm_mhz']} MHz "
@@ -101,7 +100,7 @@ def evidence_words(
     return "; ".join(said), "; ".join(dict.fromkeys(fixes))
 
 
-def summary_text(report: dict[str, Any], width: int | None = None) -> str:
+def summary_text(report: SpeedReport, width: int | None = None) -> str:
     """The end table, fitted to `width` columns (the terminal's; 100 when not a terminal): a
     host column only for a job on several hosts, p90 and memory where they fit. The slowest
     rank is said only when it stands out (at the straggler threshold, 1.2 when off)."""
@@ -110,7 +109,7 @@ def summary_text(report: dict[str, Any], width: int | None = None) -> str:
     ranks = report["ranks"]
     hosts = len({r["host"] for r in ranks}) > 1
     memory = any(r.get("memory") for r in ranks)
-    columns: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
+    columns: list[tuple[str, int, Callable[[JobRow], str]]] = [
         ("rank", 4, lambda r: f"{r['rank']}")
     ]
     if hosts:
