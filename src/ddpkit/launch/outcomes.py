@@ -38,6 +38,8 @@ class Scene:
     reader: Reader
     peers: Peers
     growth: Callable[[int], str | None]  # the memory doctor's growth line for a rank
+    # the steps a look read go to the speed watch, whoever looked: a look consumes them
+    took_steps: Callable[[Snapshot], None] = lambda snap: None
     stall: float = 0.0  # seconds no rank made progress (the hang watch's)
 
     @property
@@ -48,9 +50,15 @@ class Scene:
         """Reap the workers that exited and look at every rank. A rank stuck after its error
         (while none exited non-zero) counts as exited with the code it chose."""
         observe.reap(self.workers)
-        snap = self.reader.look(self.workers, steps=steps, usage=usage)
+        snap = self._read(steps, usage)
         if not snap.exited_nonzero and observe.mark_stuck(self.workers, snap):
-            snap = self.reader.look(self.workers, steps=steps, usage=False)
+            snap = self._read(steps, False)
+        return snap
+
+    def _read(self, steps: bool | None, usage: bool | None) -> Snapshot:
+        snap = self.reader.look(self.workers, steps=steps, usage=usage)
+        if snap.stepped:
+            self.took_steps(snap)
         return snap
 
 

@@ -227,7 +227,9 @@ def _start(job: Job, action: lifecycle.Start) -> Running:
     peers.start()
     workers: list[Worker] = []
     speed = SpeedWatch(job.run_dir, cfg.straggler_threshold, cfg.straggler_window, node.host, peers)
-    scene = outcomes.Scene(cfg, job.signals, workers, Reader(state_dir), peers, speed.memory.growth)
+    scene = outcomes.Scene(
+        cfg, job.signals, workers, Reader(state_dir), peers, speed.memory.growth, speed.take
+    )
     running = Running(scene, state_dir, HangWatch(state_dir, cfg.hang_timeout, peers), speed)
     job.running = running  # stopped by drive() should anything below raise
     for local_rank in range(cfg.nproc_per_node):

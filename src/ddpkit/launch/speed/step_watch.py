@@ -118,9 +118,8 @@ class SpeedWatch:
     # -- while the job runs ---------------------------------------------------------------
 
     def sample(self, snap: Snapshot) -> None:
+        """Judge and show the steps taken so far (`take` got them from every look)."""
         now = snap.mono
-        if snap.stepped:
-            self._take(snap)
         if now >= self.next_eval:
             self.next_eval = now + EVALUATE_EVERY
             self._evaluate()
@@ -128,8 +127,9 @@ class SpeedWatch:
             self.next_live = now + LIVE_EVERY
             self._write_live()
 
-    def _take(self, snap: Snapshot) -> None:
-        """The steps each rank wrote since the last read (the snapshot read them)."""
+    def take(self, snap: Snapshot) -> None:
+        """The steps each rank wrote since the last read (the snapshot read them): every look
+        that read them hands them here, so none is lost to a look made for something else."""
         for view in snap.ranks:
             record, track = view.steps, self.tracks.get(view.rank)
             if record is None or track is None:
@@ -265,7 +265,7 @@ class SpeedWatch:
         """The job's per-rank summary (text for the console, "" for a job of a few steps);
         speed.json and steps.png in the run folder. `last`: the ranks as they ended, with the
         steps they wrote since the last look."""
-        self._take(last)
+        self.take(last)
         self._check_transport()  # a short job may end before an evaluation read it
         self.gpus.close()
         rows: list[JobRow] = []

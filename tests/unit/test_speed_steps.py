@@ -1,0 +1,40 @@
+"""Every step the ranks wrote reaches the speed doctor, whichever look read it: a look made for
+something else (a collector's, the poll that saw the job end) consumes the steps it reads, and
+the end table once came out empty when the last second's steps were read by such a look."""
+
+from __future__ import annotations
+
+import os
+
+from ddpkit.common import protocol
+from ddpkit.launch import outcomes
+from ddpkit.launch.peers.peers import NoPeers
+from ddpkit.launch.snapshot import Reader
+from ddpkit.launch.speed.step_watch import SpeedWatch
+from ddpkit.launch.worker import Signals
+from tests.unit.snapshots import worker
+from tests.unit.test_launch_config import parse
+
+STEPS = 40
+
+
+def test_steps_read_by_a_look_made_for_something_else_reach_the_end_table(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    ranks = [worker(0, exit_code=0, ended=1.0), worker(1, exit_code=0, ended=1.0)]
+    for w in ranks:
+        w.proc.pid = os.getpid()  # a live process: the speed watch follows it
+        writer = protocol.StepWriter(protocol.state_path(state, w.rank, protocol.STEPS))
+        for n in range(1, STEPS + 1):
+            writer.write(protocol.Step(n, 1000.0 + n, 0.010, 0.001, 0.008, 0.001, 0.0))
+    speed = SpeedWatch(tmp_path, host="node0", peers=NoPeers())
+    speed.watch({w.rank: w.proc.pid for w in ranks})
+    reader = Reader(state)
+    scene = outcomes.Scene(parse(["-n", "2", __file__]), Signals(), ranks, reader, NoPeers(),
+                           speed.memory.growth, speed.take)  # fmt: skip
+    scene.look(steps=True)  # the poll that saw every rank exit 0 read the steps; no sample
+    table = speed.finish(reader.look(ranks, steps=True))  # as the supervisor ends an attempt
+    assert "step times per rank" in table
+    rows = [line.split() for line in table.splitlines()[2:4]]
+    assert [row[0] for row in rows] == ["0", "1"], table
+    assert all(int(row[1]) >= STEPS for row in rows), "every step counted"
