@@ -33,20 +33,25 @@ def _dumps(rank, world, tmp):
         for _ in range(7):
             dist.all_reduce(torch.ones(4))
         s.barrier()
-        for _ in range(50):  # the recorder records and completes from another thread
+        # the recorder marks a collective completed from another thread, after the caller's
+        # wait returned: CI under load read 6 of the 7 completed and none pending, and once
+        # the barrier still pending after 5 s of polls; it catches up
+        began, polls = time.monotonic(), 0
+        while True:
             status = pickle.loads(dump(full=False, backend="gloo"))
             completed, waiting = flight_dumps.progress_state(status)
-            # CI under load read 6 of the 7 completed and none pending: it catches up
-            if waiting is None and completed >= 7:
+            polls += 1
+            if (waiting is None and completed >= 7) or time.monotonic() - began > 30:
                 break
             time.sleep(0.1)
         full = pickle.loads(dump(backend="gloo"))
-        return status, full, flight_dumps.progress_state(status)
+        polled = f"{polls} polls in {time.monotonic() - began:.1f} s"
+        return status, full, flight_dumps.progress_state(status), polled
 
 
 @needs_gloo_recorder
 def test_the_recorder_read_is_the_one_holding_this_groups_collectives(tmp_path):
-    for _, full, _ in run_ranks(_dumps, 2, tmp_path, env=RING):
+    for _, full, _, _ in run_ranks(_dumps, 2, tmp_path, env=RING):
         assert len(full["entries"]) >= 7, f"torch {torch.__version__}: {sorted(full)}"
         ops = {str(e.get("profiling_name")) for e in full["entries"]}
         assert any("all_reduce" in op or "allreduce" in op for op in ops), ops
@@ -55,7 +60,7 @@ def test_the_recorder_read_is_the_one_holding_this_groups_collectives(tmp_path):
 @pytest.mark.skipif(GLOO_RECORDED, reason=f"torch {torch.__version__} records gloo's collectives")
 def test_without_a_gloo_recorder_the_dump_reads_as_no_progress_and_nothing_pending(tmp_path):
     # torch 2.4: the watch must neither count this as progress nor place a rank in a collective
-    for _, full, state in run_ranks(_dumps, 2, tmp_path, env=RING):
+    for _, full, state, _ in run_ranks(_dumps, 2, tmp_path, env=RING):
         assert full.get("entries", []) == []
         assert state == (-1, None)
         assert flight_dumps.pending(full) is None
@@ -66,11 +71,11 @@ def test_the_status_poll_carries_progress_without_the_collectives(tmp_path):
     results = run_ranks(_dumps, 2, tmp_path, env=RING)
     if "pg_status" not in results[0][0]:
         pytest.skip(f"torch {torch.__version__}'s recorder has no process-group status")
-    for status, full, (completed, waiting) in results:
+    for status, full, (completed, waiting), polled in results:
         assert "entries" not in status
         assert len(full["entries"]) >= 7
         assert completed >= 7
-        assert waiting is None
+        assert waiting is None, f"{polled}: {status['pg_status']}"
 
 
 def test_a_collective_enqueued_but_not_completed_is_pending():

@@ -14,6 +14,7 @@ from ddpkit.launch.decide import (
     Observation,
     Verdict,
     after_attempt,
+    check_round,
     decide,
     goes_on,
 )
@@ -109,3 +110,18 @@ LOSSES = [
 @pytest.mark.parametrize(("loss", "then"), LOSSES)
 def test_whether_the_nodes_left_after_a_loss_go_on(loss, then):
     assert goes_on(*loss) == then
+
+
+# (rank, world, MIN) a node read from a rendezvous round, and whether it can be its own
+ROUNDS = [
+    ((0, 2, 2), None),
+    ((1, 2, 1), None),
+    ((1, 1, 1), "this node read rank 1 in a round of 1 node(s)"),  # dropped from under it
+    ((0, 1, 2), "this node read a round of 1 node(s), fewer than --nnodes MIN 2"),
+    ((-1, 2, 1), "this node read rank -1 in a round of 2 node(s)"),
+]
+
+
+@pytest.mark.parametrize(("read", "wrong"), ROUNDS)
+def test_a_round_a_node_cannot_be_in_is_named(read, wrong):
+    assert check_round(*read) == wrong

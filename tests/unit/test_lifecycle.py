@@ -148,3 +148,26 @@ def test_a_rank_stuck_after_its_error_fails_the_job_like_one_that_exited():
     stuck = running(1, error=error("boom"), error_written=990.0)
     state, _ = step(State(phase=Phase.RUNNING), ranks(running(0), stuck), Events(now=1.0))
     assert (state.phase, state.verdict) == (Phase.SETTLING, Verdict.RANK_FAILED)
+
+
+def test_ranks_that_failed_waiting_for_a_peer_wait_for_another_nodes_word_then_take_it():
+    # several nodes: rank 1 failed because a peer on another node went away; that node's loss
+    # is seen a few seconds later (--node-timeout) and is the cause, not rank 1
+    victim = ranks(running(0), exited(1, 1, error=error("Connection closed by peer")))
+    settling = State(phase=Phase.SETTLING, since=0.0, verdict=Verdict.RANK_FAILED)
+    state, actions = step(settling, victim, Events(now=SETTLE + SETTLE_WAITING + 1, peer_wait=5))
+    assert (state.phase, actions) == (Phase.SETTLING, ())
+    state, actions = step(state, victim, Events(now=4.0, node_lost=True, peer_wait=5))
+    assert (state.phase, actions) == (Phase.STOPPING, (Collect(Verdict.NODE_LOST),))
+    state, actions = step(settling, victim, Events(now=4.0, other_node_said=True, peer_wait=5))
+    assert actions == (Collect(Verdict.OTHER_NODE),)
+    # no word within the wait: the failure is this node's
+    state, actions = step(settling, victim, Events(now=5.1, peer_wait=5))
+    assert actions == (Collect(Verdict.RANK_FAILED),)
+
+
+def test_a_rank_that_failed_for_itself_does_not_wait_for_another_nodes_word():
+    crashed = ranks(running(0), exited(1, 1, error=error("boom")))
+    settling = State(phase=Phase.SETTLING, since=0.0, verdict=Verdict.RANK_FAILED)
+    state, actions = step(settling, crashed, Events(now=SETTLE + 0.01, node_lost=True, peer_wait=5))
+    assert actions == (Collect(Verdict.RANK_FAILED),)

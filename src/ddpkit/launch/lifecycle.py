@@ -63,6 +63,9 @@ class Events:
     hang_asked: bool = False  # node 0 asks where this node's ranks are
     long_wait: bool = False  # the hang watch found ranks waiting long for a working one
     ended: Attempt | None = None  # how the stopped attempt ended (in STOPPING)
+    # several nodes: how long ranks that failed waiting for a peer wait for another node's word
+    # (a lost node, an abort) before their failure is taken as this node's own
+    peer_wait: float = 0.0
 
 
 # -- actions: what the edge does ----------------------------------------------------------
@@ -152,6 +155,13 @@ def step(state: State, snap: Snapshot, events: Events) -> tuple[State, tuple[Act
     if state.phase is Phase.SETTLING:
         waited = now - state.since
         landed = waited >= SETTLE and (observe.settled(snap) or waited >= SETTLE + SETTLE_WAITING)
+        if events.signal is None and observe.only_victims(snap):
+            # the peer they waited for may be on another node: its word names the cause
+            if events.other_node_said:
+                return _stopping(state, Verdict.OTHER_NODE, now)
+            if events.node_lost:
+                return _stopping(state, Verdict.NODE_LOST, now)
+            landed = landed and waited >= events.peer_wait
         if events.signal is not None or landed:  # a stop signal cuts the settling short
             return _stopping(state, Verdict.RANK_FAILED, now)
         return state, ()

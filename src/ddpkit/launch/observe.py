@@ -57,6 +57,12 @@ def failed(snap: Snapshot) -> tuple[int, ...]:
     return tuple(v.rank for v in snap.exited_nonzero or stuck(snap))
 
 
+def only_victims(snap: Snapshot) -> bool:
+    """Every rank that failed so far failed waiting for a peer: the cause may be elsewhere."""
+    ranks = set(failed(snap))
+    return bool(ranks) and all(waited(v.error) for v in snap.ranks if v.rank in ranks)
+
+
 def settled(snap: Snapshot) -> bool:
     """Whether a failure's near-simultaneous exits have landed. A live rank that has recorded
     its error is still landing (ranks that fail the same way at once are reported together).

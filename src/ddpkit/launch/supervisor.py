@@ -211,6 +211,7 @@ def _look(job: Job, running: Running | None, state: State) -> tuple[Snapshot, Ev
         node_lost=peers.lost() is not None,
         hung=hung,
         init_timeout=job.cfg.init_timeout,
+        peer_wait=job.cfg.node_timeout + 1.0 if job.node.multi_node else 0.0,
         hang_asked=watching and peers.hang_asked(),
         long_wait=running.hangs.waits is not None,
     )

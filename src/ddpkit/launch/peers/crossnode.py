@@ -19,7 +19,8 @@ from typing import Any
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.liveness import Abort, Liveness
-from ddpkit.launch.peers.nodes import NodeGroup, _register, join_rdzv, serves_rendezvous
+from ddpkit.launch.peers.nodes import NodeGroup, register, serves_rendezvous
+from ddpkit.launch.peers.rounds import join_rdzv
 from ddpkit.launch.peers.store import StoreUnreachableError
 from ddpkit.launch.wait import Wait
 
@@ -93,7 +94,7 @@ def next_round(cfg: LaunchConfig, node: NodeGroup) -> NodeGroup:
         return join_rdzv(cfg, node.rendezvous, kept)
     node.round += 1
     if node.multi_node:  # one node has no one to meet (its rank 0 serves each round's store)
-        _register(node, cfg, time.monotonic() + cfg.init_timeout)
+        register(node, cfg, time.monotonic() + cfg.init_timeout)
     return node
 
 

@@ -3,15 +3,16 @@
 
 Who writes what: every node its own `beat/N`, `progress/N` and `done/N` counters, its
 `node/N` registration and, when asked, its `places/N` (a hang) and `speed/N` (step
-summaries); node 0 `run_id`, `ready` and the `hang/ask` question; any node the `abort` record
-(why the job stops, signed with the job's token)."""
+summaries); node 0 `run_id` and the `hang/ask` question; `ready`, once (compare-and-set), node 0
+when the round is whole or any node that finds it came apart; any node the `abort` record (why
+the job stops, signed with the job's token)."""
 
 from __future__ import annotations
 
 ABORT = "abort"
 HANG_ASK = "hang/ask"
 RUN_ID = "run_id"
-READY = "ready"
+READY = "ready"  # the round's decision, set once: "ready" or why it came apart
 COUNTERS = ("beat", "progress", "done")  # per node, made by node 0 before anyone reads them
 
 

@@ -9,7 +9,8 @@ publishes address and port as one record; every rank of every node gets that pai
 MASTER_ADDR/MASTER_PORT. Before any worker starts, every node has connected to that store and
 said who it is, or the launcher stops with the node that could not and why.
 
-Liveness and the end of a job: `ddpkit.launch.peers.liveness`. Every store call is bounded
+Rounds of the rendezvous, and a round that came apart: `ddpkit.launch.peers.rounds`. Liveness
+and the end of a job: `ddpkit.launch.peers.liveness`. Every store call is bounded
 (`ddpkit.launch.peers.store`).
 """
 
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ddpkit.common.network import address_toward, is_loopback
+from ddpkit.common.network import is_loopback
 from ddpkit.errors import ConfigError, LaunchError
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.peers import keys
@@ -35,6 +38,7 @@ if TYPE_CHECKING:  # torch is imported only when a store or a rendezvous is made
     from torch._C._distributed_c10d import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousHandler
 
+log = logging.getLogger(__name__)
 CALL_LIMIT = 5.0  # seconds any one launcher store call may take once the job runs
 
 
@@ -99,6 +103,8 @@ class NodeGroup:
 
 def join(cfg: LaunchConfig) -> NodeGroup:
     """Meet the other nodes (if any): this node's rank, the job's store, every node's host."""
+    from ddpkit.launch.peers.rounds import join_rdzv  # it builds on this module
+
     if cfg.master_addr_given:
         _resolve(cfg.master_addr)
     if not cfg.multi_node:
@@ -117,67 +123,8 @@ def join(cfg: LaunchConfig) -> NodeGroup:
     return _join_static(cfg)
 
 
-def join_rdzv(
-    cfg: LaunchConfig,
-    rendezvous: RendezvousHandler | None,
-    kept: list[TCPStore] | None = None,
-) -> NodeGroup:
-    """A round of torch elastic's c10d rendezvous; node 0 then serves the job's store and
-    publishes where, in the rendezvous store, as torch elastic's bootstrap store info does."""
-    assert cfg.rdzv is not None
-    if rendezvous is None:
-        rendezvous = _rendezvous_handler(cfg)
-    kept = [] if kept is None else kept
-    deadline = time.monotonic() + cfg.init_timeout
-    try:
-        info = rendezvous.next_rendezvous()
-    except Exception as err:
-        raise LaunchError(
-            f"the {cfg.nnodes} nodes did not meet at {cfg.rdzv} within "
-            f"{cfg.init_timeout:.0f} s ({type(err).__name__}: {err})",
-            fix="start `ddpkit run` with the same --nnodes and --rdzv on every node, and "
-            "check that HOST:PORT is reachable from each",
-        ) from err
-    # torch < 2.3 returns (store, rank, world size); later a RendezvousInfo
-    rdzv_store, rank, world = (
-        (info.store, info.rank, info.world_size) if hasattr(info, "store") else info  # type: ignore[misc]
-    )
-    round_ = _round_of(rendezvous)
-    key = "ddpkit/job"  # the rendezvous store torch hands out is already this round's
-    rdzv_host = cfg.rdzv.rpartition(":")[0]
-    node = NodeGroup(
-        group_rank=rank,
-        nnodes=world,
-        round=round_,
-        rendezvous=rendezvous,
-        rdzv_host=rdzv_host,
-        kept=kept,
-    )
-    if rank == 0:
-        addr = (
-            cfg.master_addr
-            if cfg.master_addr_given
-            else cfg.local_addr or address_toward(rdzv_host)
-        )
-        _serve_job_store(node, cfg, addr)
-        record = json.dumps({"addr": addr, "port": node.master_port, "run_id": cfg.run_id})
-        bounded(lambda: rdzv_store.set(key, record), CALL_LIMIT, "publishing the store")
-        node.run_id = cfg.run_id
-    else:
-        left = max(1.0, deadline - time.monotonic())
-        try:
-            raw = bounded(lambda: rdzv_store.get(key), left, "reading where node 0 is")
-        except StoreUnreachableError as err:
-            raise LaunchError(
-                f"node {rank} met the others at {cfg.rdzv} but node 0 never said where the "
-                f"job's store is ({err})",
-                fix="check that node 0's launcher is running and reachable",
-            ) from err
-        record = json.loads(bytes(raw).decode())
-        node.master_addr, node.master_port = record["addr"], int(record["port"])
-        node.run_id = record["run_id"]
-    _register(node, cfg, deadline)
-    return node
+class RoundApartError(Exception):
+    """This node's view of the rendezvous round is not the one the other nodes hold."""
 
 
 def _join_static(cfg: LaunchConfig) -> NodeGroup:
@@ -186,15 +133,15 @@ def _join_static(cfg: LaunchConfig) -> NodeGroup:
     node = NodeGroup(group_rank=rank, nnodes=cfg.nnodes, master_addr=cfg.master_addr)
     deadline = time.monotonic() + cfg.init_timeout
     if rank == 0:
-        _serve_job_store(node, cfg, cfg.master_addr)
+        serve_job_store(node, cfg, cfg.master_addr)
         node.master_port = cfg.master_port
     else:
         node.master_port = cfg.master_port
-    _register(node, cfg, deadline)
+    register(node, cfg, deadline)
     return node
 
 
-def _serve_job_store(node: NodeGroup, cfg: LaunchConfig, addr: str) -> None:
+def serve_job_store(node: NodeGroup, cfg: LaunchConfig, addr: str) -> None:
     bind = bind_host(addr)
     # a later round on the same launcher: the first round's store keeps the fixed port
     sock = listen(bind, 0 if node.kept else cfg.master_port)
@@ -203,13 +150,30 @@ def _serve_job_store(node: NodeGroup, cfg: LaunchConfig, addr: str) -> None:
     node.server = serve(sock, bind or "127.0.0.1", CALL_LIMIT)
 
 
-def _register(node: NodeGroup, cfg: LaunchConfig, deadline: float) -> None:
-    """Connect to the job's store and say who this node is; wait until every node has."""
+def register(
+    node: NodeGroup,
+    cfg: LaunchConfig,
+    deadline: float,
+    apart: Callable[[], str | None] | None = None,
+) -> None:
+    """Connect to the job's store and say who this node is; wait until the round is decided.
+
+    Node 0 decides it ready once every node has registered with the same number of nodes;
+    any node decides it came apart when the records disagree or `apart()` (the rendezvous,
+    asked) says why. The decision is one key set once (compare-and-set), so every node of the
+    round reads the same one: no node goes on in a round another has left."""
     prefix = keys.round_prefix(node.round)
     where = f"{node.master_addr}:{node.master_port}"
     host = socket.gethostname()
     store = BoundedStore(node.store_addr, node.master_port, CALL_LIMIT, prefix)
-    me = json.dumps({"host": host, "pid": os.getpid(), "rendezvous": serves_rendezvous(node)})
+    me = json.dumps(
+        {
+            "host": host,
+            "pid": os.getpid(),
+            "rendezvous": serves_rendezvous(node),
+            "nnodes": node.nnodes,
+        }
+    )
     seconds = max(0.0, deadline - time.monotonic())
     failure: list[StoreUnreachableError] = []
 
@@ -235,34 +199,53 @@ def _register(node: NodeGroup, cfg: LaunchConfig, deadline: float) -> None:
         for other in range(node.nnodes):  # counters exist before anyone reads them
             for kind in keys.COUNTERS:
                 store.add(keys.counter(kind, other), 0)
-        store.set(keys.READY, "1")
     missing = list(range(node.nnodes))
+    records: list[dict[str, object]] = []
 
-    def every_node_registered() -> bool:
-        nonlocal missing
+    def decide(value: str) -> None:
         with contextlib.suppress(StoreUnreachableError):
-            missing = [n for n in missing if not store.has(keys.registration(n))]
-        return not missing
+            store.call("compare_set", store.key(keys.READY), "", value)
 
-    if not Wait().until(every_node_registered, max(0.0, deadline - time.monotonic()), 0.2).done:
+    def decided() -> bool:
+        nonlocal missing, records
+        why = apart() if apart is not None else None
+        if why is not None:
+            decide(f"{APART}{why}")  # unless the round was decided first
+        with contextlib.suppress(StoreUnreachableError):
+            if store.has(keys.READY):
+                return True
+            missing = [n for n in missing if not store.has(keys.registration(n))]
+            if missing:
+                return False
+            records = [json.loads(store.get(keys.registration(n))) for n in range(node.nnodes)]
+            differs = next((n for n, r in enumerate(records) if r["nnodes"] != node.nnodes), None)
+            if differs is not None:
+                decide(
+                    f"{APART}node {differs} read a round of {records[differs]['nnodes']} "
+                    f"node(s), node {node.group_rank} {node.nnodes}"
+                )
+            elif node.group_rank == 0:
+                decide(READY)
+        return False
+
+    if not Wait().until(decided, max(0.0, deadline - time.monotonic()), 0.2).done:
         who = ", ".join(f"node {n}" for n in missing)
         raise LaunchError(
-            f"{who} never reached the job's store at {where} within --init-timeout "
-            f"{cfg.init_timeout:g} s",
+            f"{who or 'node 0'} never reached the job's store at {where} within "
+            f"--init-timeout {cfg.init_timeout:g} s",
             fix=f"start `ddpkit run` on every node; check that each can reach {where}",
         )
-    records = [json.loads(store.get(keys.registration(n))) for n in range(node.nnodes)]
-    hosts = [r["host"] for r in records]
+    decision = store.get(keys.READY, limit=_left(deadline))
+    if decision != READY:
+        raise RoundApartError(decision.removeprefix(APART))
+    if not records:
+        records = [json.loads(store.get(keys.registration(n))) for n in range(node.nnodes)]
     node.rendezvous_node = next((n for n, r in enumerate(records) if r.get("rendezvous")), None)
     node.run_id = store.get(keys.RUN_ID, limit=_left(deadline))
-    store.get(keys.READY, limit=_left(deadline))
-    node.hosts, node.store = hosts, store
+    node.hosts, node.store = [str(r["host"]) for r in records], store
 
 
-def _round_of(rendezvous: RendezvousHandler) -> int:
-    """The rendezvous round (the same number on every node of it), where torch tells it."""
-    state = getattr(getattr(rendezvous, "_state_holder", None), "state", None)
-    return int(getattr(state, "round", 0))
+READY, APART = "ready", "apart: "  # the round's decision (keys.READY)
 
 
 def serves_rendezvous(node: NodeGroup) -> bool:
@@ -315,33 +298,6 @@ def _cause(err: BaseException) -> str:
     cause = err.__cause__ or err
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     return text[:200]
-
-
-def _rendezvous_handler(cfg: LaunchConfig) -> RendezvousHandler:
-    # torch >= 2.5 also serves a second store from node 0 unless told not to; ddpkit has its own
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-    assert cfg.rdzv is not None
-    settings = {"join_timeout": str(int(cfg.init_timeout)), **dict(cfg.rdzv_conf)}
-    params = RendezvousParameters(
-        backend="c10d",
-        endpoint=cfg.rdzv,
-        run_id=cfg.run_id if cfg.run_id_given else "ddpkit",
-        min_nodes=cfg.min_nodes,
-        max_nodes=cfg.nnodes,
-        local_addr=cfg.local_addr,
-        **settings,
-    )
-    try:
-        return get_rendezvous_handler(params)
-    except Exception as err:
-        raise LaunchError(
-            f"could not reach the rendezvous at {cfg.rdzv} ({type(err).__name__}: {err})",
-            fix="check HOST:PORT: the same on every node, reachable from each; the node "
-            "whose address it is serves it",
-        ) from err
 
 
 def bind_host(addr: str) -> str:
