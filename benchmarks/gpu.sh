@@ -16,12 +16,13 @@
 #                                       # snapshot, s.fit; what the watch costs (GPT-2-small)
 #   bash benchmarks/gpu.sh stopflag     # what reading s.stop_requested every step costs
 #                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
+#   bash benchmarks/gpu.sh rescue       # what keeping the last completed step costs (issue 38)
 #
 # Run from the repository root (the device tool does): ddpkit from the tree (PYTHONPATH=src).
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory"}
+MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -143,6 +144,19 @@ shard)
     --json "$OUT/shard_b32.json" 2>&1 | tee "$OUT/shard_b32.txt"
   timeout 420 python3 -m ddpkit bench ddp --shard --gpus "$(counts)" --batch 8 --steps 20 \
     --grow --json "$OUT/shard.json" 2>&1 | tee "$OUT/shard.txt"
+  ;;
+rescue)  # issue 38: the step-boundary snapshot against the step, at 1 GPU and at 2 when lent
+  machine
+  for batch in 64 512; do
+    if [ "$N" -ge 2 ]; then
+      timeout 250 python3 -m ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model wide \
+        --batch "$batch" >"$OUT/rescue_b$batch.txt" 2>&1
+    else  # one GPU: armed as a job of two would be
+      timeout 250 python3 benchmarks/rescue_snapshot_cost.py --model wide --batch "$batch" \
+        >"$OUT/rescue_b$batch.txt" 2>&1
+    fi
+  done
+  grep -h -A4 "^.*model wide" "$OUT"/rescue_b*.txt | sed 's/^\[rank 0\] //'
   ;;
 *)
   echo "unknown mode $MODE" >&2

@@ -10,6 +10,9 @@ once, so two kinds of error go to the rank's log only:
   console gets one line saying so, the rank's log the whole traceback.
 
 Anything else prints as `python script.py` would print it.
+
+A rank that failed waiting for a peer then runs `AFTER_A_PEER` (ddpkit.train.rescue: the state
+of the last completed step, written by the ranks left) before it ends.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 from ddpkit.common import protocol
@@ -26,6 +30,9 @@ from ddpkit.errors import DdpkitError
 
 STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
 RANK = os.environ.get("RANK", "0")
+# what a rank does after it failed waiting for a peer, before it ends: (what it did, whether
+# the console should hear it) or None (ddpkit.train.rescue adds the last step's state)
+AFTER_A_PEER: list[Callable[[], tuple[str, bool] | None]] = []
 
 
 def write_error(
@@ -95,6 +102,13 @@ def record_errors() -> None:
         ours = isinstance(value, DdpkitError)
         fix = value.fix if isinstance(value, DdpkitError) else fix_for(value, tb)
         write_error(kind.__name__, str(value), trace, fix=fix, whole=ours)
+        if waited_for_a_peer(str(value)):
+            for after in AFTER_A_PEER:
+                did = after()
+                if did is not None:
+                    log_only(f"ddpkit: {did[0]}\n")
+                    if did[1]:
+                        print(f"ddpkit: {did[0]}", file=sys.stderr, flush=True)
         if framed and isinstance(value, DdpkitError):
             log_only(value.render() + "\n")
         elif framed and waited_for_a_peer(str(value)):

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ddpkit.errors import CheckpointError
+from ddpkit.train import rescue
 from ddpkit.train.dealing import DealtSampler
 from ddpkit.train.placement import Placement
 from ddpkit.train.seeded_reads import SeededDataset
@@ -115,7 +116,13 @@ class EpochLoader(DataLoader):
         self._current, self._next, self._taken, self._since = epoch, epoch + 1, skip, 0
         token = self._open = object()
         try:
-            for batch in super().__iter__():
+            batches = super().__iter__()
+            while True:
+                rescue.before_fetch(self)  # a step's boundary: what a peer's failure keeps
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
                 beat()
                 self._taken += 1
                 self._since += 1

@@ -29,7 +29,7 @@ from torch import nn
 from ddpkit.common import protocol
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
-from ddpkit.train import checkpoint, comm, fitting, joining, loaders, sharding, state
+from ddpkit.train import checkpoint, comm, fitting, joining, loaders, rescue, sharding, state
 from ddpkit.train.graphs import ASYNC_VARIABLE, Captured, capture
 from ddpkit.train.placement import Placement
 from ddpkit.train.seeding import seed_everything
@@ -146,11 +146,14 @@ class Session:
         """Collective: every object's state (modules, optimizers, schedulers, scalers,
         s.loader positions, dicts) and every rank's RNG, atomically (ddpkit.train.state)."""
         state.save_state(path, objects, self.place, keep=keep)
+        rescue.remember(path, objects, self.place, keep)  # what a peer's failure keeps
 
     def load_state(self, path: str | os.PathLike[str], rng: bool = True, **objects: Any) -> bool:
         """Collective: restore the newest complete state into `objects`, in place; False when
         `path` holds none (a first run)."""
-        return state.load_state(path, objects, self.place, rng=rng)
+        loaded = state.load_state(path, objects, self.place, rng=rng)
+        rescue.remember(path, objects, self.place, 2)
+        return loaded
 
     @property
     def stop_requested(self) -> bool:

@@ -41,13 +41,13 @@ DONE = "COMPLETE"
 FORMAT = 1
 
 
-def _unwrapped(obj: Any) -> Any:
+def unwrapped(obj: Any) -> Any:
     from ddpkit.train.wrapping import unwrap
 
     return unwrap(obj) if isinstance(obj, torch.nn.Module) else obj
 
 
-def _kind(name: str, obj: Any) -> str:
+def kind_of(name: str, obj: Any) -> str:
     if hasattr(obj, "resume_state") and hasattr(obj, "restore"):  # an s.loader
         return "loader"
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
@@ -106,14 +106,14 @@ def save_state(
     if keep < 1:
         raise CheckpointError(f"save_state(keep={keep}) keeps nothing", fix="keep=1 or more")
     root = Path(path)
-    kinds = {name: _kind(name, obj) for name, obj in objects.items()}
+    kinds = {name: kind_of(name, obj) for name, obj in objects.items()}
     error = None
     seq = 0
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale(root)
-            seq = _latest_seq(root) + 1
+            seq = latest_seq(root) + 1
             tmp = root / f".{STATE_PREFIX}{seq:08d}.tmp"
             tmp.mkdir()
         except OSError as err:
@@ -122,7 +122,7 @@ def save_state(
     _fail_if(error)
     tmp = root / f".{STATE_PREFIX}{seq:08d}.tmp"
     error = None
-    sharded = _sharded_part(objects, kinds)
+    sharded = sharded_part(objects, kinds)
     try:
         if sharded is not None:  # collective: each rank writes its shard
             _save_sharded(tmp / "sharded", objects, sharded)
@@ -133,21 +133,21 @@ def save_state(
             "rng": rng_state(),
             "loaders": {n: o.resume_state() for n, o in objects.items() if kinds[n] == "loader"},
         }
-        _write(tmp / f"rank{rank}.pt", mine)
+        write(tmp / f"rank{rank}.pt", mine)
         if rank == 0:
             shared = {
                 "format": FORMAT,
                 "world_size": world_size,
                 "time": time.time(),
                 "stateful": {
-                    n: _unwrapped(o).state_dict()
+                    n: unwrapped(o).state_dict()
                     for n, o in objects.items()
                     if kinds[n] == "stateful" and not (sharded and n in sharded)
                 },
                 "sharded": sharded or [],
                 "dicts": {n: dict(o) for n, o in objects.items() if kinds[n] == "dict"},
             }
-            _write(tmp / "shared.pt", shared)
+            write(tmp / "shared.pt", shared)
     except Exception as err:  # torch.save says ENOSPC as a RuntimeError
         from ddpkit.train.checkpoint import why
 
@@ -158,9 +158,9 @@ def save_state(
     if rank == 0:
         try:
             (tmp / DONE).write_text(f"{world_size}\n")
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.replace(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
             _prune(root, keep)
         except OSError as err:
             error = f"{final}: {err.strerror or err}"
@@ -168,14 +168,14 @@ def save_state(
     return final
 
 
-def _write(target: Path, obj: Any) -> None:
+def write(target: Path, obj: Any) -> None:
     with open(target, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -195,7 +195,7 @@ def _states(root: Path) -> list[Path]:
     return sorted((p for p in found if (p / DONE).exists()), key=lambda p: p.name)
 
 
-def _latest_seq(root: Path) -> int:
+def latest_seq(root: Path) -> int:
     seqs = [
         int(p.name.split("-")[-1].split(".")[0])
         for p in root.iterdir()
@@ -225,7 +225,7 @@ def load_state(
 ) -> bool:
     """Collective. False when `path` holds no complete state (a first run)."""
     rank, world_size, device = place.rank, place.world_size, place.device
-    kinds = {name: _kind(name, obj) for name, obj in objects.items()}
+    kinds = {name: kind_of(name, obj) for name, obj in objects.items()}
     for obj in objects.values():
         _line_up_buckets(obj)
     states = _states(Path(path))
@@ -236,11 +236,14 @@ def load_state(
     saved_world = int(shared["world_size"])
     loaders = {n: objects[n] for n, k in kinds.items() if k == "loader"}
     part: dict[str, Any] = {}
+    lost = False  # a state a survivor wrote after a failure lacks the failed rank's part
     if rng or loaders:
         # at the same world size each rank reads its own part; at another, rank 0's: the
         # loaders' positions are the job's (the same on every rank), random states re-derived
-        source = rank if saved_world == world_size else 0
-        part = _read(folder / f"rank{source}.pt", torch.device("cpu"))
+        source = folder / f"rank{rank if saved_world == world_size else 0}.pt"
+        parts = sorted(folder.glob("rank*.pt"))
+        lost = not source.exists() and bool(parts) and "rescued" in shared
+        part = _read(parts[0] if lost else source, torch.device("cpu"))
     positions = {}
     for name, loader in loaders.items():  # every check before anything is changed
         if name not in part["loaders"]:
@@ -249,7 +252,7 @@ def load_state(
         loader.check_restore(positions[name], name)
     sharded = list(shared.get("sharded") or [])
     if sharded:
-        mine_sharded = _sharded_part(objects, kinds) or []
+        mine_sharded = sharded_part(objects, kinds) or []
         if sorted(mine_sharded) != sorted(sharded):
             raise CheckpointError(
                 f"{folder} holds the sharded model and optimizers {sharded}; this call gives "
@@ -264,17 +267,24 @@ def load_state(
         if kind == "stateful":
             if name not in shared["stateful"]:
                 raise _missing(folder, name)
-            _unwrapped(obj).load_state_dict(shared["stateful"][name])
+            unwrapped(obj).load_state_dict(shared["stateful"][name])
         elif kind == "dict":
             if name not in shared["dicts"]:
                 raise _missing(folder, name)
             obj.clear()
             obj.update(shared["dicts"][name])
     followed = [(name, loaders[name].restore(positions[name])) for name in loaders]
-    if rng and saved_world == world_size:
+    if rng and saved_world == world_size and not lost:
         set_rng_state(part["rng"])
     elif rng:
         reseed(place.seed, _seq_of(folder), rank)
+        if lost and saved_world == world_size:
+            print(
+                f"ddpkit: rank {rank}'s random state went with it when it failed ({folder.name} "
+                f"was written by the ranks left); re-seeded from (seed, {_seq_of(folder)}, rank)",
+                file=sys.stderr,
+                flush=True,
+            )
     if saved_world != world_size and place.is_main:
         _say_followed(folder, saved_world, world_size, followed, rng, place.seed)
     return True
@@ -322,7 +332,7 @@ def _line_up_buckets(obj: Any) -> None:
 # -- a sharded model (FSDP2): torch.distributed.checkpoint, one shard per rank -----------------
 
 
-def _sharded_part(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[str] | None:
+def sharded_part(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[str] | None:
     """Names of the sharded model and of the optimizers that go with it, or None."""
     from ddpkit.train.sharding import is_sharded
 
@@ -339,7 +349,7 @@ def _sharded_part(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[
 
 
 def _split(objects: Mapping[str, Any], names: list[str]) -> tuple[Any, list[Any]]:
-    return _unwrapped(objects[names[0]]), [objects[n] for n in names[1:]]
+    return unwrapped(objects[names[0]]), [objects[n] for n in names[1:]]
 
 
 def _save_sharded(folder: Path, objects: Mapping[str, Any], names: list[str]) -> None:

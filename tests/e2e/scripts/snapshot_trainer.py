@@ -2,15 +2,18 @@
 multigpu_torchrun.py (a Trainer class, `_run_epoch`, `_save_snapshot` every `save_every` epochs,
 `_load_snapshot` at start, `total_epochs save_every --batch_size`), with ddpkit's setup, loader
 and state in place of the tutorial's. It saves when asked to stop, so a job stopped on N ranks
-can go on with M; `--save_steps N` saves every N steps too. Every rank prints the sample ids
-of each batch it trains on: `rank R attempt A epoch E step S samples 3,17,...` (A: the
-launcher's restart count) and rank 0 each step's global loss.
+can go on with M; `--save_steps N` saves every N steps too; `--fail_rank R --fail_step S`:
+rank R fails at step S of the first attempt (`--fail_how raise|kill`: an exception or SIGKILL;
+`--fail_where before|after`: before its forward, or after its optimizer step). Every rank
+prints the sample ids of each batch it trains on: `rank R attempt A epoch E step S samples
+3,17,...` (A: the launcher's restart count) and rank 0 each step's global loss.
 
     ddpkit run -n 4 snapshot_trainer.py 2 1 --batch_size 3 --snapshot_path STATE [--sleep S]
 """
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -36,7 +39,8 @@ class MyTrainDataset(Dataset):
 
 
 class Trainer:
-    def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep, steps):
+    def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep, steps,
+                 fail=(-1, 0, "raise", "before")):  # fmt: skip
         self.s = s
         self.model = s.wrap(model)
         self.train_data = train_data
@@ -45,6 +49,7 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.sleep = sleep
         self.save_steps = steps
+        self.fail_rank, self.fail_step, self.fail_how, self.fail_where = fail
         self.meta = {"epochs_run": 0, "step": 0}
         self.to_save = {"model": self.model, "optimizer": optimizer, "loader": train_data}
         self.to_save["meta"] = self.meta
@@ -52,13 +57,25 @@ class Trainer:
             epoch, step = self.meta["epochs_run"], self.meta["step"]
             s.print(f"Resuming training from snapshot at Epoch {epoch} step {step}", flush=True)
 
+    def _fail(self, where):
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if not first or self.s.rank != self.fail_rank or self.meta["step"] + 1 != self.fail_step:
+            return
+        if where != self.fail_where:
+            return
+        if self.fail_how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"boom at step {self.fail_step}")
+
     def _run_batch(self, source, targets):
+        self._fail("before")
         source, targets = source.to(self.s.device), targets.to(self.s.device)
         self.optimizer.zero_grad()
         output = self.model(source)
         loss = F.mse_loss(output, targets)
         loss.backward()
         self.optimizer.step()
+        self._fail("after")
         count = torch.tensor(float(len(source)), device=self.s.device)
         total = torch.stack([loss.detach() * len(source), count])
         dist.all_reduce(total)
@@ -88,7 +105,7 @@ class Trainer:
                 self.s.save_state(self.snapshot_path, **self.to_save)
 
 
-def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps):
+def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps, fail):
     with ddpkit.setup(seed=0) as s:
         torch.manual_seed(0)
         dataset = MyTrainDataset(240)
@@ -96,7 +113,7 @@ def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         train_data = s.loader(dataset, batch_size=batch_size)
         trainer = Trainer(
-            s, model, train_data, optimizer, save_every, snapshot_path, sleep, save_steps
+            s, model, train_data, optimizer, save_every, snapshot_path, sleep, save_steps, fail
         )
         trainer.train(total_epochs)
         s.print("finished", flush=True)
@@ -112,6 +129,11 @@ if __name__ == "__main__":
     parser.add_argument("--snapshot_path", default="snapshot", type=str)
     parser.add_argument("--sleep", default=0.0, type=float, help="seconds per step")
     parser.add_argument("--save_steps", default=0, type=int, help="also save every N steps")
+    parser.add_argument("--fail_rank", default=-1, type=int, help="this rank raises ...")
+    parser.add_argument("--fail_step", default=0, type=int, help="... at this step, once")
+    parser.add_argument("--fail_how", default="raise", choices=["raise", "kill"])
+    parser.add_argument("--fail_where", default="before", choices=["before", "after"])
     args = parser.parse_args()
+    fail = (args.fail_rank, args.fail_step, args.fail_how, args.fail_where)
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep,
-         args.save_steps)  # fmt: skip
+         args.save_steps, fail)  # fmt: skip

@@ -1,0 +1,123 @@
+"""What keeping the last completed step costs (issue 38: at most 0.5% of a step), in one job:
+blocks of training steps through an `s.loader` with the rescue armed (the objects remembered as
+`s.save_state` remembers them: each step's boundary takes its snapshot) alternate with blocks
+with it disarmed; each block is timed end to end (synchronised on a GPU) after a warm-up.
+Printed: the median step each way, the median paired difference, and the snapshot's own mean
+time measured inside the armed blocks, against the step.
+
+    ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model digits   # CPU: gloo, 4 ms steps
+    ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model wide     # CPU: a larger step
+    python benchmarks/rescue_snapshot_cost.py --model wide --batch 512  # one GPU
+
+Alone (one rank) the rescue has no peer to serve and stays off; the benchmark arms it as a job
+of two would (`--force` is implied for one rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_timing_cost import model_and_data  # noqa: E402
+
+import ddpkit  # noqa: E402
+from ddpkit.train import rescue  # noqa: E402
+
+
+class Timed:
+    """rescue._snapshot with the time spent in it added up."""
+
+    def __init__(self) -> None:
+        self.inner, self.seconds, self.count = rescue._snapshot, 0.0, 0
+
+    def __call__(self, objects):
+        began = time.perf_counter()
+        try:
+            return self.inner(objects)
+        finally:
+            self.seconds += time.perf_counter() - began
+            self.count += 1
+
+
+def block(s, model, opt, sched, loader, steps: int) -> float:
+    """Seconds per step over `steps` steps of the s.loader (its passes as training has them)."""
+    done = 0
+    if s.device.type == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    while done < steps:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            done += 1
+            if done == steps:
+                break
+    if s.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - began) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="digits", choices=["digits", "wide"])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--blocks", type=int, default=8)
+    args = parser.parse_args()
+    with ddpkit.setup(seed=0) as s:
+        if args.model == "wide":  # a larger step: an MLP of 2 x 2048 on 1024 features
+            g = torch.Generator().manual_seed(0)
+            inputs = torch.randn(4096, 1024, generator=g)
+            dataset = torch.utils.data.TensorDataset(
+                inputs, torch.randint(0, 10, (4096,), generator=g)
+            )
+            model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048),
+                                  nn.ReLU(), nn.Linear(2048, 10)).to(s.device)  # fmt: skip
+        else:  # the demo's: digits, its MLP
+            model, data = model_and_data(args.model, args.batch, s.device)
+            dataset = data.dataset
+        model = s.wrap(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000)
+        loader = s.loader(dataset, batch_size=args.batch, to_device=True)
+        counters = {"step": 0, "epoch": 0}
+        objects = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader,
+                   "counters": counters}  # fmt: skip
+        place = s.place if s.world_size > 1 else dataclasses.replace(s.place, world_size=2)
+        timed = Timed()
+        rescue._snapshot = timed
+        block(s, model, opt, sched, loader, args.steps)  # warm-up
+        armed, bare = [], []
+        for _ in range(args.blocks):
+            rescue.remember(Path("unused"), objects, place, 2)
+            armed.append(block(s, model, opt, sched, loader, args.steps))
+            rescue.forget()
+            bare.append(block(s, model, opt, sched, loader, args.steps))
+        if s.is_main:
+            step, with_ = statistics.median(bare), statistics.median(armed)
+            paired = statistics.median(a - b for a, b in zip(armed, bare, strict=True))
+            snap = timed.seconds / max(timed.count, 1)
+            params = sum(p.numel() for p in model.parameters())
+            print(f"model {args.model} ({params / 1e6:.2f} M parameters), batch {args.batch}, "
+                  f"{s.world_size} rank(s), {s.device.type}")  # fmt: skip
+            print(f"{'step, rescue off':<28}{step * 1e3:10.3f} ms")
+            print(f"{'step, rescue armed':<28}{with_ * 1e3:10.3f} ms")
+            print(f"{'median paired difference':<28}{paired * 1e6:10.1f} us "
+                  f"({100 * paired / step:+.2f}% of a step)")  # fmt: skip
+            print(f"{'snapshot, mean':<28}{snap * 1e6:10.1f} us ({100 * snap / step:.2f}% of a "
+                  f"step; {timed.count} taken)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""When the last completed step can be vouched for, and what a failure then writes
+(ddpkit.train.rescue), on one process: a real s.loader, optimizer and scheduler, the placement
+of rank 0 of 2 (the writing needs no process group). The whole path under `ddpkit run`, with
+real failures: tests/e2e/test_zero_steps_lost.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ddpkit.train import rescue, state  # noqa: E402
+from ddpkit.train.loaders import make_loader  # noqa: E402
+from ddpkit.train.placement import Placement  # noqa: E402
+
+PLACE = Placement(rank=0, world_size=2)
+
+
+@pytest.fixture
+def job(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    data = [(torch.randn(4), torch.randn(4)) for _ in range(16)]
+    loader = make_loader(data, 2, Placement(rank=0, world_size=1))
+    counters = {"step": 0}
+    objects = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader,
+               "counters": counters}  # fmt: skip
+    rescue.remember(tmp_path / "ckpt", objects, PLACE, 2)
+    yield objects
+    rescue.forget()
+
+
+def train_step(objects, x, y):
+    loss = ((objects["model"](x) - y) ** 2).mean()
+    objects["optimizer"].zero_grad()
+    loss.backward()
+    objects["optimizer"].step()
+    objects["scheduler"].step()
+    objects["counters"]["step"] += 1
+
+
+def test_a_boundary_is_the_first_fetch_after_an_optimizer_step(job):
+    batches = iter(job["loader"])
+    for _ in range(3):
+        x, y = next(batches)
+        x2, y2 = next(batches)  # two batches a step: gradient accumulation
+        train_step(job, torch.cat([x, x2]), torch.cat([y, y2]))
+    next(batches)
+    assert rescue._kept.boundaries == 4  # the first fetch, then one after each of 3 steps
+
+
+def test_the_window_closes_when_the_optimizer_step_begins(job):
+    batches = iter(job["loader"])
+    x, y = next(batches)
+    assert rescue._kept.open
+    train_step(job, x, y)
+    said, loud = rescue.after_peer_failure()
+    assert "outside a step's window" in said
+    assert not loud
+    assert not rescue._kept.path.exists(), "nothing written"
+
+
+def test_a_failure_inside_the_window_writes_the_boundarys_state_not_the_live_one(job, tmp_path):
+    batches = iter(job["loader"])
+    for _ in range(2):
+        x, y = next(batches)
+        train_step(job, x, y)
+    x, y = next(batches)  # the boundary after step 2
+    weights = {k: v.clone() for k, v in job["model"].state_dict().items()}
+    job["model"].train()
+    job["model"](x)  # a forward: BatchNorm's statistics move
+    job["scheduler"].step()  # stepped early, and a counter bumped, inside the window
+    job["counters"]["step"] += 100
+    said, loud = rescue.after_peer_failure()
+    assert loud
+    assert "wrote the state of the last completed step" in said, said
+    (folder,) = (tmp_path / "ckpt").glob("state-*")
+    assert (folder / state.DONE).exists()
+    assert (folder / "rank0.pt").exists()
+    shared = torch.load(folder / "shared.pt", weights_only=True)
+    assert shared["dicts"]["counters"] == {"step": 2}
+    assert shared["stateful"]["scheduler"]["last_epoch"] == 2
+    for name, value in shared["stateful"]["model"].items():
+        assert torch.equal(value, weights[name]), name
+    assert not list((tmp_path / "ckpt").glob(".rescue-*.tmp"))
+
+
+def test_a_sharded_or_single_rank_job_is_not_armed(tmp_path):
+    rescue.remember(tmp_path, {"counters": {}}, Placement(world_size=1), 2)
+    assert rescue._kept is None
