@@ -4,7 +4,8 @@ multigpu_torchrun.py (a Trainer class, `_run_epoch`, `_save_snapshot` every `sav
 and state in place of the tutorial's. It saves when asked to stop, so a job stopped on N ranks
 can go on with M; `--save_steps N` saves every N steps too; `--fail_rank R --fail_step S`:
 rank R fails at step S of the first attempt (`--fail_how raise|kill`: an exception or SIGKILL;
-`--fail_where before|after`: before its forward, or after its optimizer step). Every rank
+`--fail_where before|after`: before its forward, or after its optimizer step;
+`--kill_after SECONDS`: SIGKILL that long after training began, wherever it is). Every rank
 prints the sample ids of each batch it trains on: `rank R attempt A epoch E step S samples
 3,17,...` (A: the launcher's restart count) and rank 0 each step's global loss.
 
@@ -15,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -40,7 +42,7 @@ class MyTrainDataset(Dataset):
 
 class Trainer:
     def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep, steps,
-                 fail=(-1, 0, "raise", "before")):  # fmt: skip
+                 fail=(-1, 0, "raise", "before", 0.0)):  # fmt: skip
         self.s = s
         self.model = s.wrap(model)
         self.train_data = train_data
@@ -49,7 +51,10 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.sleep = sleep
         self.save_steps = steps
-        self.fail_rank, self.fail_step, self.fail_how, self.fail_where = fail
+        self.fail_rank, self.fail_step, self.fail_how, self.fail_where, kill_after = fail
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if kill_after and first and s.rank == self.fail_rank:  # a random moment of training
+            threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
         self.meta = {"epochs_run": 0, "step": 0}
         self.to_save = {"model": self.model, "optimizer": optimizer, "loader": train_data}
         self.to_save["meta"] = self.meta
@@ -133,7 +138,8 @@ if __name__ == "__main__":
     parser.add_argument("--fail_step", default=0, type=int, help="... at this step, once")
     parser.add_argument("--fail_how", default="raise", choices=["raise", "kill"])
     parser.add_argument("--fail_where", default="before", choices=["before", "after"])
+    parser.add_argument("--kill_after", default=0.0, type=float, help="seconds, on --fail_rank")
     args = parser.parse_args()
-    fail = (args.fail_rank, args.fail_step, args.fail_how, args.fail_where)
+    fail = (args.fail_rank, args.fail_step, args.fail_how, args.fail_where, args.kill_after)
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep,
          args.save_steps, fail)  # fmt: skip
