@@ -100,7 +100,7 @@ def main() -> None:
         block(s, model, opt, sched, loader, args.steps)  # warm-up
         armed, bare = [], []
         for _ in range(args.blocks):
-            rescue.remember(Path("unused"), objects, place, 2)
+            rescue.remember(Path("unused"), objects, place)
             armed.append(block(s, model, opt, sched, loader, args.steps))
             rescue.forget()
             bare.append(block(s, model, opt, sched, loader, args.steps))

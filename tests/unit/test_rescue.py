@@ -26,7 +26,7 @@ def job(tmp_path):
     counters = {"step": 0}
     objects = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader,
                "counters": counters}  # fmt: skip
-    rescue.remember(tmp_path / "ckpt", objects, PLACE, 2)
+    rescue.remember(tmp_path / "ckpt", objects, PLACE)
     yield objects
     rescue.forget()
 
@@ -87,5 +87,5 @@ def test_a_failure_inside_the_window_writes_the_boundarys_state_not_the_live_one
 
 
 def test_a_sharded_or_single_rank_job_is_not_armed(tmp_path):
-    rescue.remember(tmp_path, {"counters": {}}, Placement(world_size=1), 2)
+    rescue.remember(tmp_path, {"counters": {}}, Placement(world_size=1))
     assert rescue._kept is None

@@ -102,7 +102,8 @@ def record_errors() -> None:
         ours = isinstance(value, DdpkitError)
         fix = value.fix if isinstance(value, DdpkitError) else fix_for(value, tb)
         write_error(kind.__name__, str(value), trace, fix=fix, whole=ours)
-        if waited_for_a_peer(str(value)):
+        victim = waited_for_a_peer(str(value))
+        if victim:
             for after in AFTER_A_PEER:
                 did = after()
                 if did is not None:
@@ -111,7 +112,7 @@ def record_errors() -> None:
                         print(f"ddpkit: {did[0]}", file=sys.stderr, flush=True)
         if framed and isinstance(value, DdpkitError):
             log_only(value.render() + "\n")
-        elif framed and waited_for_a_peer(str(value)):
+        elif framed and victim:
             log_only(trace)
             print(
                 f"{kind.__name__}: {first_sentence(str(value))} (this rank waited for a peer; "

@@ -46,7 +46,6 @@ class Kept:
     path: Path
     objects: dict[str, Any]
     place: Placement
-    keep: int
     open: bool = False  # inside the window: the live parameters are the last step's
     stepped: bool = True  # an optimizer step since the last boundary (the next fetch is one)
     snapshot: dict[str, Any] = field(default_factory=dict)
@@ -58,9 +57,7 @@ _kept: Kept | None = None
 _hooks: list[Any] = []
 
 
-def remember(
-    path: str | os.PathLike[str], objects: Mapping[str, Any], place: Placement, keep: int
-) -> None:
+def remember(path: str | os.PathLike[str], objects: Mapping[str, Any], place: Placement) -> None:
     """s.save_state / s.load_state: these objects are what a failure would write."""
     global _kept
     from ddpkit.train.state import kind_of, sharded_part
@@ -73,7 +70,7 @@ def remember(
 
     root = Path(path)
     base = latest_seq(root) if root.is_dir() else 0
-    _kept = Kept(root, dict(objects), place, keep, base=base)
+    _kept = Kept(root, dict(objects), place, base=base)
     if not _hooks:
         import torch.optim.optimizer as optimizer_module
 

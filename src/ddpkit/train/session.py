@@ -146,13 +146,13 @@ class Session:
         """Collective: every object's state (modules, optimizers, schedulers, scalers,
         s.loader positions, dicts) and every rank's RNG, atomically (ddpkit.train.state)."""
         state.save_state(path, objects, self.place, keep=keep)
-        rescue.remember(path, objects, self.place, keep)  # what a peer's failure keeps
+        rescue.remember(path, objects, self.place)  # what a peer's failure keeps
 
     def load_state(self, path: str | os.PathLike[str], rng: bool = True, **objects: Any) -> bool:
         """Collective: restore the newest complete state into `objects`, in place; False when
         `path` holds none (a first run)."""
         loaded = state.load_state(path, objects, self.place, rng=rng)
-        rescue.remember(path, objects, self.place, 2)
+        rescue.remember(path, objects, self.place)
         return loaded
 
     @property
