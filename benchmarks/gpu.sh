@@ -147,16 +147,17 @@ shard)
   ;;
 rescue)  # issue 38: the step-boundary snapshot against the step, at 1 GPU and at 2 when lent
   machine
-  for batch in 64 512; do
+  for run in "wide 64" "wide 512" "gpt 8" "resnet 64"; do
+    set -- $run
     if [ "$N" -ge 2 ]; then
-      timeout 250 python3 -m ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model wide \
-        --batch "$batch" >"$OUT/rescue_b$batch.txt" 2>&1
-    else  # one GPU: armed as a job of two would be
-      timeout 250 python3 benchmarks/rescue_snapshot_cost.py --model wide --batch "$batch" \
-        >"$OUT/rescue_b$batch.txt" 2>&1
+      timeout 250 python3 -m ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model "$1" \
+        --batch "$2" >"$OUT/rescue_$1_b$2.txt" 2>&1
+    else  # one GPU: armed as a job of two would be (under ddpkit run: the streams' file too)
+      timeout 250 python3 -m ddpkit run -n 1 benchmarks/rescue_snapshot_cost.py --model "$1" \
+        --batch "$2" >"$OUT/rescue_$1_b$2.txt" 2>&1
     fi
   done
-  grep -h -A4 "^.*model wide" "$OUT"/rescue_b*.txt | sed 's/^\[rank 0\] //'
+  grep -h -A4 "^.*model " "$OUT"/rescue_*.txt | sed 's/^\[rank 0\] //'
   ;;
 *)
   echo "unknown mode $MODE" >&2

@@ -8,6 +8,8 @@ time measured inside the armed blocks, against the step.
     ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model digits   # CPU: gloo, 4 ms steps
     ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model wide     # CPU: a larger step
     python benchmarks/rescue_snapshot_cost.py --model wide --batch 512  # one GPU
+    python benchmarks/rescue_snapshot_cost.py --model gpt --batch 8     # one GPU, a real step
+    python benchmarks/rescue_snapshot_cost.py --model resnet --batch 64 # one GPU, 159 buffers
 
 Alone (one rank) the rescue has no peer to serve and stays off; the benchmark arms it as a job
 of two would (`--force` is implied for one rank).
@@ -33,15 +35,16 @@ from ddpkit.train import rescue  # noqa: E402
 
 
 class Timed:
-    """rescue._snapshot with the time spent in it added up."""
+    """rescue.before_fetch (every fetch's check; at a boundary the snapshot and, under ddpkit
+    run, the streams' copy into the rank's file) with the time spent in it added up."""
 
     def __init__(self) -> None:
-        self.inner, self.seconds, self.count = rescue._snapshot, 0.0, 0
+        self.inner, self.seconds, self.count = rescue.before_fetch, 0.0, 0
 
-    def __call__(self, objects):
+    def __call__(self, loader):
         began = time.perf_counter()
         try:
-            return self.inner(objects)
+            return self.inner(loader)
         finally:
             self.seconds += time.perf_counter() - began
             self.count += 1
@@ -55,7 +58,11 @@ def block(s, model, opt, sched, loader, steps: int) -> float:
     began = time.perf_counter()
     while done < steps:
         for x, y in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
+            with torch.autocast("cuda", torch.bfloat16, enabled=s.device.type == "cuda"):
+                out = model(x)
+            loss = nn.functional.cross_entropy(
+                out.reshape(-1, out.shape[-1]).float(), y.reshape(-1)
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -70,7 +77,9 @@ def block(s, model, opt, sched, loader, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="digits", choices=["digits", "wide"])
+    parser.add_argument(
+        "--model", default="digits", choices=["digits", "wide", "convnet", "gpt", "resnet"]
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--blocks", type=int, default=8)
@@ -84,6 +93,22 @@ def main() -> None:
             )
             model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048),
                                   nn.ReLU(), nn.Linear(2048, 10)).to(s.device)  # fmt: skip
+        elif args.model == "convnet":  # buffers: 53 BatchNorms (a ResNet-50 has 53, 159 buffers)
+            g = torch.Generator().manual_seed(0)
+            inputs = torch.randn(1024, 3, 16, 16, generator=g)
+            dataset = torch.utils.data.TensorDataset(
+                inputs, torch.randint(0, 10, (1024,), generator=g)
+            )
+            blocks = [nn.Sequential(nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1),
+                                    nn.BatchNorm2d(16), nn.ReLU()) for i in range(53)]  # fmt: skip
+            model = nn.Sequential(*blocks, nn.Flatten(), nn.Linear(16 * 16 * 16, 10)).to(s.device)
+        elif args.model in ("gpt", "resnet"):  # GPT-2-small, ResNet-50 (bf16 autocast on a GPU)
+            from ddpkit.bench import models
+
+            model, make = getattr(models, args.model)()
+            x, y = make(4 * args.batch, torch.device("cpu"))
+            dataset = torch.utils.data.TensorDataset(x, y.reshape(len(x), -1).squeeze(1))
+            model = model.to(s.device)
         else:  # the demo's: digits, its MLP
             model, data = model_and_data(args.model, args.batch, s.device)
             dataset = data.dataset
@@ -96,7 +121,7 @@ def main() -> None:
                    "counters": counters}  # fmt: skip
         place = s.place if s.world_size > 1 else dataclasses.replace(s.place, world_size=2)
         timed = Timed()
-        rescue._snapshot = timed
+        rescue.before_fetch = timed
         block(s, model, opt, sched, loader, args.steps)  # warm-up
         armed, bare = [], []
         for _ in range(args.blocks):
@@ -115,8 +140,8 @@ def main() -> None:
             print(f"{'step, rescue armed':<28}{with_ * 1e3:10.3f} ms")
             print(f"{'median paired difference':<28}{paired * 1e6:10.1f} us "
                   f"({100 * paired / step:+.2f}% of a step)")  # fmt: skip
-            print(f"{'snapshot, mean':<28}{snap * 1e6:10.1f} us ({100 * snap / step:.2f}% of a "
-                  f"step; {timed.count} taken)")  # fmt: skip
+            print(f"{'snapshot, per step':<28}{snap * 1e6:10.1f} us ({100 * snap / step:.2f}% of a "
+                  f"step; {timed.count} fetches)")  # fmt: skip
 
 
 if __name__ == "__main__":

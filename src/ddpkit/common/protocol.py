@@ -69,6 +69,7 @@ FAULT = "fault"  # faulthandler's dump when the rank dies of SIGSEGV, SIGABRT, S
 MEMORY = "memory"  # what the rank's memory held when it ran out (JSON: ddpkit.rank.oom_facts)
 MEMORY_SNAPSHOT = "memory-snapshot.pickle"  # --memory-snapshot: torch's allocator history
 MEMORY_PLOT = "memory.png"  # --memory-snapshot: the rank's allocated memory over its last events
+RNG = "rng"  # the random streams at the last step's boundary (ddpkit.train.rng_file)
 ENDED = "ended"  # "CODE TIME": the rank ended by itself, with this code, at this wall time
 
 # The launcher asks a rank for its stacks with this signal (faulthandler answers it even while

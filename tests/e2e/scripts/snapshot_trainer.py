@@ -5,7 +5,9 @@ and state in place of the tutorial's. It saves when asked to stop, so a job stop
 can go on with M; `--save_steps N` saves every N steps too; `--fail_rank R --fail_step S`:
 rank R fails at step S of the first attempt (`--fail_how raise|kill`: an exception or SIGKILL;
 `--fail_where before|after`: before its forward, or after its optimizer step;
-`--kill_after SECONDS`: SIGKILL that long after training began, wherever it is). Every rank
+`--kill_after SECONDS`: SIGKILL that long after training began, wherever it is). `--augment`
+draws from every random stream each step, as augmentation does (Python's random flips, numpy's
+noise, torch's dropout; a BatchNorm's running statistics move with each forward). Every rank
 prints the sample ids of each batch it trains on: `rank R attempt A epoch E step S samples
 3,17,...` (A: the launcher's restart count) and rank 0 each step's global loss.
 
@@ -14,11 +16,13 @@ prints the sample ids of each batch it trains on: `rank R attempt A epoch E step
 
 import argparse
 import os
+import random
 import signal
 import sys
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,8 +46,9 @@ class MyTrainDataset(Dataset):
 
 class Trainer:
     def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep, steps,
-                 fail=(-1, 0, "raise", "before", 0.0)):  # fmt: skip
+                 fail=(-1, 0, "raise", "before", 0.0), augment=False):  # fmt: skip
         self.s = s
+        self.augment = augment
         self.model = s.wrap(model)
         self.train_data = train_data
         self.optimizer = optimizer
@@ -74,6 +79,10 @@ class Trainer:
 
     def _run_batch(self, source, targets):
         self._fail("before")
+        if self.augment:
+            if random.random() < 0.5:
+                source = source.flip(1)
+            source = source + torch.from_numpy(np.random.normal(0, 0.01, source.shape)).float()
         source, targets = source.to(self.s.device), targets.to(self.s.device)
         self.optimizer.zero_grad()
         output = self.model(source)
@@ -110,15 +119,26 @@ class Trainer:
                 self.s.save_state(self.snapshot_path, **self.to_save)
 
 
-def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps, fail):
+def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps, fail, augment):
     with ddpkit.setup(seed=0) as s:
         torch.manual_seed(0)
         dataset = MyTrainDataset(240)
         model = torch.nn.Linear(20, 1)
+        if augment:
+            model = torch.nn.Sequential(torch.nn.BatchNorm1d(20), torch.nn.Dropout(0.2), model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         train_data = s.loader(dataset, batch_size=batch_size)
         trainer = Trainer(
-            s, model, train_data, optimizer, save_every, snapshot_path, sleep, save_steps, fail
+            s,
+            model,
+            train_data,
+            optimizer,
+            save_every,
+            snapshot_path,
+            sleep,
+            save_steps,
+            fail,
+            augment,
         )
         trainer.train(total_epochs)
         s.print("finished", flush=True)
@@ -139,7 +159,8 @@ if __name__ == "__main__":
     parser.add_argument("--fail_how", default="raise", choices=["raise", "kill"])
     parser.add_argument("--fail_where", default="before", choices=["before", "after"])
     parser.add_argument("--kill_after", default=0.0, type=float, help="seconds, on --fail_rank")
+    parser.add_argument("--augment", action="store_true", help="random flips, noise, dropout")
     args = parser.parse_args()
     fail = (args.fail_rank, args.fail_step, args.fail_how, args.fail_where, args.kill_after)
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep,
-         args.save_steps, fail)  # fmt: skip
+         args.save_steps, fail, args.augment)  # fmt: skip

@@ -1,0 +1,142 @@
+"""Each rank's random states at the last step's boundary, in a file its node's other ranks can
+read after it died (issue 38): the rescue writes the failed rank's part from it, so the resumed
+job draws exactly the numbers the never-failed job drew.
+
+Why a file: a rank that fails does not write its part (its streams have moved since the
+boundary, or it was killed), and its streams exist nowhere else. The file lives in the run's
+node-local state folder (`rank{R}.rng`), memory-mapped once: each boundary is a copy of ~10 KB
+into it (a few microseconds; the page cache keeps it when the process is killed). Two slots
+alternate, each framed by its boundary's number at both ends, so a rank killed in the middle of
+a copy leaves the previous boundary whole. A rank on another node is out of reach: its part is
+re-seeded at load, as before.
+
+Outside a worker of `ddpkit run` (no state folder) nothing is written.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.common import protocol
+
+SLOT = 16384  # bytes per slot: the streams take ~10.6 KB (CUDA: 16 bytes a GPU)
+_FRAME = struct.Struct("<qqq")  # boundary number, base, payload length
+_END = struct.Struct("<q")
+_WORDS_BYTES = 2500
+_GAUSS = struct.Struct("<Bd")  # has a cached Gaussian, its value
+
+
+def path_of(state_dir: str | os.PathLike[str], rank: int) -> Path:
+    return protocol.state_path(state_dir, rank, protocol.RNG)
+
+
+class RngFile:
+    """This rank's file, mapped; `write` puts one boundary's streams in the next slot."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            # allocated now: a page first touched through the map on a full disk is SIGBUS
+            os.posix_fallocate(fd, 0, 2 * SLOT)
+            self.map = mmap.mmap(fd, 2 * SLOT)
+        finally:
+            os.close(fd)
+
+    def write(self, base: int, boundary: int, python: bytes, py_gauss: float | None,
+              numpy: tuple[bytes, int, float] | None, cpu: torch.Tensor,
+              cuda: list[torch.Tensor]) -> None:  # fmt: skip
+        parts = [python, _GAUSS.pack(py_gauss is not None, py_gauss or 0.0)]
+        if numpy is not None:
+            words, has_gauss, gauss = numpy
+            parts += [b"\x01", words, _GAUSS.pack(bool(has_gauss), gauss)]
+        else:
+            parts.append(b"\x00")
+        for tensor in (cpu, *cuda):
+            raw = tensor.numpy().tobytes()
+            parts += [struct.pack("<i", len(raw)), raw]
+        payload = b"".join(parts)
+        at = (boundary % 2) * SLOT
+        end = at + _FRAME.size + len(payload)
+        if end + _END.size > at + SLOT:
+            return  # more GPUs than a slot holds: the rank's part is re-seeded, as before
+        self.map[at : at + _FRAME.size] = _FRAME.pack(boundary, base, len(payload))
+        self.map[at + _FRAME.size : end] = payload
+        self.map[end : end + _END.size] = _END.pack(boundary)
+
+    def write_taken(self, base: int, boundary: int, quick: Any, taken: dict[str, Any]) -> None:
+        """A QuickRng's take (quick_rng), its words as the generators hold them."""
+        numpy = None
+        if "numpy" in taken and quick.numpy is not None:
+            numpy = (quick.numpy.words(), taken["numpy"][3], taken["numpy"][4])
+        self.write(base, boundary, quick.python.words(), taken["python"][2], numpy,
+                   taken["torch"], taken.get("cuda", []))  # fmt: skip
+
+
+def read(path: Path, base: int, boundary: int) -> dict[str, Any] | None:
+    """The streams this file holds for (base, boundary), in `state.rng_state()`'s layout; None
+    when it holds no whole copy of that boundary."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    at = (boundary % 2) * SLOT
+    if len(raw) < at + SLOT:
+        return None
+    number, its_base, length = _FRAME.unpack_from(raw, at)
+    end = at + _FRAME.size + length
+    if (number, its_base) != (boundary, base) or end + _END.size > at + SLOT:
+        return None
+    if _END.unpack_from(raw, end)[0] != boundary:
+        return None  # the copy was cut off
+    return _parse(raw[at + _FRAME.size : end])
+
+
+def _parse(payload: bytes) -> dict[str, Any]:
+    import numpy as np
+
+    at = 0
+
+    def take(n: int) -> bytes:
+        nonlocal at
+        at += n
+        return payload[at - n : at]
+
+    index, *words = struct.unpack(f"<i{624}I", take(_WORDS_BYTES))
+    has, gauss = _GAUSS.unpack(take(_GAUSS.size))
+    streams: dict[str, Any] = {"python": (3, (*words, index), gauss if has else None)}
+    if take(1) == b"\x01":
+        keys = np.frombuffer(take(4 * 624), dtype="<u4").astype("int64")
+        (pos,) = struct.unpack("<i", take(4))
+        has, gauss = _GAUSS.unpack(take(_GAUSS.size))
+        streams["numpy"] = ("MT19937", torch.from_numpy(keys), pos, int(has), gauss)
+    tensors = []
+    while at < len(payload):
+        (n,) = struct.unpack("<i", take(4))
+        tensors.append(torch.frombuffer(bytearray(take(n)), dtype=torch.uint8))
+    streams["torch"] = tensors[0]
+    if len(tensors) > 1:
+        streams["cuda"] = tensors[1:]
+    return streams
+
+
+def mine() -> RngFile | None:
+    """This rank's file when it is a rank of `ddpkit run` (else None)."""
+    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
+    if not state_dir or rank is None or os.environ.get(protocol.RANK_PID) != str(os.getpid()):
+        return None
+    try:
+        return RngFile(path_of(state_dir, int(rank)))
+    except (OSError, ValueError):
+        return None
+
+
+def of_rank(rank: int) -> Path | None:
+    """Where another rank of this node keeps its file, if this process is a rank of a run."""
+    state_dir = os.environ.get(protocol.STATE_DIR)
+    return path_of(state_dir, rank) if state_dir else None
