@@ -94,7 +94,9 @@ def start(
     env: dict[str, str] | None = None,
     command: str = "run",
     run_id: str | None = None,
+    cgroup: Path | None = None,
 ) -> Job:
+    """`cgroup`: the launcher starts inside it, as a pod's or a SLURM job's does."""
     run_id = run_id or "t" + uuid.uuid4().hex[:8]
     log_dir = cwd / "logs"
     extra = (
@@ -103,6 +105,8 @@ def start(
         else ["--log-dir", str(log_dir)]
     )
     cmd = [sys.executable, "-m", "ddpkit", command, *extra, *args]
+    if cgroup is not None:
+        cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *cmd]
     environment = {**os.environ, **(env or {})}
     proc = subprocess.Popen(
         cmd,
@@ -117,6 +121,39 @@ def start(
     for pipe, sink in ((proc.stdout, job.out), (proc.stderr, job.err)):
         threading.Thread(target=_read, args=(pipe, sink), daemon=True).start()
     return job
+
+
+def memory_cgroup_for_test() -> Path | None:
+    """A child of this process's memory cgroup, where one can be made (root, cgroup v1 or v2
+    with the memory controller), else None."""
+    from ddpkit.common.host_memory import memory_cgroup
+
+    parent = memory_cgroup()
+    if parent is None or os.geteuid() != 0:
+        return None
+    child = parent / f"ddpkit-test-{uuid.uuid4().hex[:6]}"
+    try:
+        child.mkdir()
+    except OSError:
+        return None
+    return child
+
+
+def limit_memory(cgroup: Path, limit: int) -> None:
+    for name in ("memory.max", "memory.limit_in_bytes"):  # cgroup v2, v1
+        if (cgroup / name).exists():
+            (cgroup / name).write_text(str(limit))
+            return
+
+
+def remove_cgroup(cgroup: Path) -> None:
+    """Once its processes are gone (the kernel takes a moment to empty it)."""
+    for _ in range(50):
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def gone_within(job: Job, timeout: float, extra_pids: list[int] = ()) -> float:

@@ -17,13 +17,18 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.e2e.helpers import SCRIPTS, bound, start
+from tests.e2e.helpers import (
+    SCRIPTS,
+    bound,
+    limit_memory,
+    memory_cgroup_for_test,
+    remove_cgroup,
+    start,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -150,33 +155,13 @@ def test_a_crash_names_the_line_it_died_at_and_the_workers_own_error(
     assert re.match(expected, root_cause(job)), job.stderr
 
 
-def memory_cgroup_for_test() -> Path | None:
-    """A child of this process's memory cgroup, where one can be made (root, cgroup v1 or v2
-    with the memory controller), else None."""
-    from ddpkit.common.host_memory import memory_cgroup
-
-    parent = memory_cgroup()
-    if parent is None or os.geteuid() != 0:
-        return None
-    child = parent / f"ddpkit-test-{uuid.uuid4().hex[:6]}"
-    try:
-        child.mkdir()
-    except OSError:
-        return None
-    return child
-
-
 @pytest.mark.parametrize("eater", [1])
 def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(tmp_path, eater):
     cgroup = memory_cgroup_for_test()
     if cgroup is None:
         pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
     try:
-        limit = 3 * 2**30
-        for name in ("memory.max", "memory.limit_in_bytes"):
-            if (cgroup / name).exists():
-                (cgroup / name).write_text(str(limit))
-                break
+        limit_memory(cgroup, 3 * 2**30)
         # the launcher starts inside the limited cgroup, as a pod's or a SLURM job's does
         cmd = (
             f"echo $$ > {cgroup}/cgroup.procs && exec {sys.executable} -m ddpkit run -n 3 "
@@ -191,12 +176,7 @@ def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(tmp_path, eat
         ), done.stderr
         assert "fix: use less host memory per rank" in done.stderr
     finally:
-        for _ in range(50):
-            try:
-                cgroup.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(cgroup)
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ MEMORY = "memory"  # what the rank's memory held when it ran out (JSON: ddpkit.r
 MEMORY_SNAPSHOT = "memory-snapshot.pickle"  # --memory-snapshot: torch's allocator history
 MEMORY_PLOT = "memory.png"  # --memory-snapshot: the rank's allocated memory over its last events
 RNG = "rng"  # the random streams at the last step's boundary (ddpkit.train.rng_file)
+COUNT = "count"  # the job's optimizer steps as this rank counts them (StepCount, mapped)
 ENDED = "ended"  # "CODE TIME": the rank ended by itself, with this code, at this wall time
 
 # The launcher asks a rank for its stacks with this signal (faulthandler answers it even while
@@ -130,6 +131,31 @@ def phase_of(raw: bytes) -> tuple[str, float]:
         return phase, float(stamp)
     except (UnicodeDecodeError, ValueError):
         return "starting", 0.0
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """The job's optimizer steps as a rank counts them (ddpkit.train.step_count): the steps of
+    the state its s.load_state went on from, the steps it did since, the wall time the first of
+    those ended, whether s.load_state found a state, and whether it was the one the ranks left
+    wrote at a failure."""
+
+    base: int
+    done: int
+    first_end: float
+    loaded: bool
+    rescued: bool
+
+
+COUNT_FORMAT = struct.Struct("<qqd??")
+
+
+def read_count(state_dir: str | Path, rank: int | str) -> StepCount | None:
+    try:
+        raw = state_path(state_dir, rank, COUNT).read_bytes()
+        return StepCount(*COUNT_FORMAT.unpack_from(raw))
+    except (OSError, struct.error):
+        return None
 
 
 def write_ended(state_dir: str | Path, rank: int | str, code: int) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import lifecycle, outcomes, report, rundir, watchdog
+from ddpkit.launch import lifecycle, outcomes, recovery, report, rundir, watchdog
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.decide import Attempt, Next, Verdict, after_attempt
 from ddpkit.launch.hang import places
@@ -78,6 +78,7 @@ class Job:
     node: NodeGroup
     began: float = field(default_factory=time.monotonic)
     running: Running | None = None  # the attempt whose workers may be running
+    failure: recovery.Failure | None = None  # the last restart's, until its cost is said
 
     @property
     def wait(self) -> Wait:
@@ -93,6 +94,7 @@ class Running:
     hangs: HangWatch
     speed: SpeedWatch
     outcome: report.Outcome | None = None
+    ended: Snapshot | None = None  # the ranks as they ended
 
     @property
     def workers(self) -> list[Worker]:
@@ -164,6 +166,12 @@ def _step(job: Job, state: State) -> State:
         elif isinstance(action, lifecycle.Restart):
             assert running is not None
             _say_restart(job, running, action.new_round, state.attempt)
+            if running.ended is not None and not action.new_round:
+                tries = f"attempt {state.attempt + 1} of {job.cfg.max_restarts + 1}"
+                assert running.outcome is not None
+                job.failure = recovery.failure_of(
+                    running.outcome, running.ended, running.state_dir, tries
+                )
             had = job.node.nnodes
             job.node = crossnode.next_round(job.cfg, job.node)  # meet again
             if job.node.nnodes != had:
@@ -258,6 +266,12 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
         if waits is not None:
             _say(places.long_wait_note(snap, waits.waiting, waits.working, waits.began, job.wait))
     elif isinstance(action, lifecycle.Watch):
+        if job.failure is not None:  # a restarted job: what the failure cost, once it steps
+            ranks = [w.rank for w in running.workers]
+            line = recovery.went_on(job.failure, running.state_dir, ranks)
+            if line is not None:
+                job.failure = None
+                _say(line)
         while running.hangs.notes:
             _say(running.hangs.notes.pop(0))
         running.speed.sample(snap)
@@ -290,6 +304,7 @@ def _collect_and_stop(job: Job, running: Running, verdict: Verdict, attempt: int
         given = _stop(job, running)
     speed = running.speed
     ended = scene.reader.look(workers, steps=True, usage=False)  # the ranks as they ended
+    running.ended = ended
     if not job.signals.count:
         summary = speed.finish(ended)  # speed.json and steps.png, whatever the outcome
         while speed.notes:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.train import step_count
 from ddpkit.train.placement import Placement
 
 PARTS_WAIT = 3.0  # seconds the claiming survivor waits for the other survivors' parts
@@ -159,6 +160,7 @@ def _snapshot(plan: list[tuple[str, str, Any]]) -> dict[str, Any]:
         else:
             snap["small"][name] = _copy(target.state_dict())
     snap["rng"] = _rng.take()
+    snap["steps"] = step_count.done()
     return snap
 
 
@@ -287,6 +289,7 @@ def _write(kept: Kept) -> tuple[str, bool]:
         "sharded": [],
         "dicts": snap["dicts"],
         "rescued": {"by": place.rank, "boundary": kept.boundaries},
+        "steps": snap["steps"],
     }
     state.write(tmp / "shared.pt", shared)
     deadline = time.monotonic() + PARTS_WAIT

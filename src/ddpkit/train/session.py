@@ -29,7 +29,17 @@ from torch import nn
 from ddpkit.common import protocol
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
-from ddpkit.train import checkpoint, comm, fitting, joining, loaders, rescue, sharding, state
+from ddpkit.train import (
+    checkpoint,
+    comm,
+    fitting,
+    joining,
+    loaders,
+    rescue,
+    sharding,
+    state,
+    step_count,
+)
 from ddpkit.train.graphs import ASYNC_VARIABLE, Captured, capture
 from ddpkit.train.placement import Placement
 from ddpkit.train.seeding import seed_everything
@@ -59,6 +69,7 @@ class Session:
         self._graphs = graphs  # setup(graphs=True): models wrapped for s.graph
         self._captured = Captured()
         self._precision = precision or Precision(place.device)
+        step_count.install()  # the job's step count, kept in its states across restarts
         atexit.register(self.close)
 
     rank = property(lambda self: self.place.rank)

@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 
 from ddpkit.errors import CheckpointError
-from ddpkit.train import comm
+from ddpkit.train import comm, step_count
 from ddpkit.train.placement import Placement
 from ddpkit.train.seeding import mix, seed_everything
 
@@ -146,6 +146,7 @@ def save_state(
                 },
                 "sharded": sharded or [],
                 "dicts": {n: dict(o) for n, o in objects.items() if kinds[n] == "dict"},
+                "steps": step_count.done(),
             }
             write(tmp / "shared.pt", shared)
     except Exception as err:  # torch.save says ENOSPC as a RuntimeError
@@ -287,6 +288,7 @@ def load_state(
             )
     if saved_world != world_size and place.is_main:
         _say_followed(folder, saved_world, world_size, followed, rng, place.seed)
+    step_count.resumed_at(int(shared.get("steps", 0)), "rescued" in shared)
     return True
 
 

@@ -3,7 +3,9 @@ multigpu_torchrun.py (a Trainer class, `_run_epoch`, `_save_snapshot` every `sav
 `_load_snapshot` at start, `total_epochs save_every --batch_size`), with ddpkit's setup, loader
 and state in place of the tutorial's. It saves when asked to stop, so a job stopped on N ranks
 can go on with M; `--save_steps N` saves every N steps too; `--fail_rank R --fail_step S`:
-rank R fails at step S of the first attempt (`--fail_how raise|kill`: an exception or SIGKILL;
+rank R fails at step S of the first attempt (`--fail_how`: raise an exception, SIGKILL itself,
+segfault, exit with code 3, or allocate host memory until the kernel's OOM killer ends it, run
+inside a memory cgroup with a limit;
 `--fail_where before|after`: before its forward, or after its optimizer step;
 `--kill_after SECONDS`: SIGKILL that long after training began, wherever it is). `--augment`
 draws from every random stream each step, as augmentation does (Python's random flips, numpy's
@@ -15,6 +17,7 @@ prints the sample ids of each batch it trains on: `rank R attempt A epoch E step
 """
 
 import argparse
+import ctypes
 import os
 import random
 import signal
@@ -75,6 +78,14 @@ class Trainer:
             return
         if self.fail_how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fail_how == "segfault":
+            ctypes.string_at(0)
+        elif self.fail_how == "exit":
+            sys.exit(3)
+        elif self.fail_how == "oom":
+            held = []
+            while True:
+                held.append(torch.ones(64 * 2**20 // 4))  # 64 MiB, touched
         raise RuntimeError(f"boom at step {self.fail_step}")
 
     def _run_batch(self, source, targets):
@@ -156,7 +167,9 @@ if __name__ == "__main__":
     parser.add_argument("--save_steps", default=0, type=int, help="also save every N steps")
     parser.add_argument("--fail_rank", default=-1, type=int, help="this rank raises ...")
     parser.add_argument("--fail_step", default=0, type=int, help="... at this step, once")
-    parser.add_argument("--fail_how", default="raise", choices=["raise", "kill"])
+    parser.add_argument(
+        "--fail_how", default="raise", choices=["raise", "kill", "segfault", "exit", "oom"]
+    )
     parser.add_argument("--fail_where", default="before", choices=["before", "after"])
     parser.add_argument("--kill_after", default=0.0, type=float, help="seconds, on --fail_rank")
     parser.add_argument("--augment", action="store_true", help="random flips, noise, dropout")

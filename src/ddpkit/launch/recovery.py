@@ -1,0 +1,79 @@
+"""What a restart cost, said in one line once the restarted job's first step ends:
+
+    ddpkit: rank 1 failed at step 15 (exited with code 1: RuntimeError: boom); restarted from
+    step 15 in 2.9 s, 0 steps lost (the state the ranks left wrote at the failure); attempt 2 of 2
+
+The steps are the job's optimizer steps as the ranks count them across restarts
+(ddpkit.train.step_count, read from each rank's mapped count record): the step the failed rank
+was in, the step the restarted ranks began with (one after the state their s.load_state went
+on from), and the wall time from the failure to the end of that first step. A script that
+resumes without s.load_state gets the time alone: what it lost is its own to know.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpkit.common import protocol
+from ddpkit.launch.report import Outcome
+from ddpkit.launch.snapshot import Snapshot
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The attempt that failed, as the next one needs it."""
+
+    wall: float  # when it failed (the root rank's end; the first failed rank's otherwise)
+    who: str  # "rank 1", or "the job" when the root cause is not a rank of this node
+    cause: str  # what happened, short
+    step: int | None  # the job's step it came in (None: no rank counted steps)
+    attempt: str  # "attempt 2 of 2": the one that starts next
+
+
+def failure_of(outcome: Outcome, ended: Snapshot, state_dir: Path, attempt: str) -> Failure:
+    failed = [v for v in ended.ranks if v.failed and not v.stopped]
+    root = next((v for v in ended.ranks if v.rank == outcome.root_rank), None)
+    when = [v.ended_wall for v in ([root] if root is not None else failed) if v.ended_wall]
+    counts = {v.rank: protocol.read_count(state_dir, v.rank) for v in ended.ranks}
+    known = {r: c.base + c.done for r, c in counts.items() if c is not None}
+    if root is not None and root.rank in known:
+        step = known[root.rank] + 1
+    else:
+        step = max(known.values()) + 1 if known else None
+    who = f"rank {root.rank}" if root is not None else "the job"
+    return Failure(min(when, default=ended.wall), who, _short(outcome, root), step, attempt)
+
+
+def _short(outcome: Outcome, root: object) -> str:
+    text = outcome.summary
+    if root is not None and outcome.root_rank is not None:
+        text = text.removeprefix(f"rank {outcome.root_rank} ")
+    return re.sub(r" at \S+:\d+ in .*$", "", text)  # where it is in the report above
+
+
+def went_on(failure: Failure, state_dir: Path, ranks: list[int]) -> str | None:
+    """The line, once a restarted rank of this node ended its first step; None before."""
+    for rank in ranks:
+        count = protocol.read_count(state_dir, rank)
+        if count is None or count.done < 1 or not count.first_end:
+            continue
+        seconds = max(count.first_end - failure.wall, 0.0)
+        came = f" at step {failure.step}" if failure.step is not None else ""
+        head = f"{failure.who} failed{came} ({failure.cause}); restarted"
+        if not count.loaded:
+            return (
+                f"{head}, its first step {seconds:.1f} s after the failure (the script loads "
+                f"no state with s.load_state: the steps it lost are its own to count); "
+                f"{failure.attempt}"
+            )
+        began = count.base + 1
+        lost = f", {max(failure.step - began, 0)} steps lost" if failure.step is not None else ""
+        source = (
+            "the state the ranks left wrote at the failure"
+            if count.rescued
+            else "the last saved state"
+        )
+        return f"{head} from step {began} in {seconds:.1f} s{lost} ({source}); {failure.attempt}"
+    return None
