@@ -2,16 +2,18 @@
 resumes bit-identical with no step lost, or from the last regular save with its reason). The
 job: tests/e2e/scripts/snapshot_trainer.py (the ddp-tutorial trainer), 3 gloo ranks, 2 epochs
 of 20 steps, a save every 10 steps, `--max-restarts 1`; a random rank is killed a random
-0.05-1.0 s into training, which takes about 0.8 s (inside a forward, a backward's all-reduce,
-an optimizer step, the loss's all-reduce, a save, the loader or the pause between steps).
+moment into training (0.05 s to 0.8 s + 40 steps' --sleep: inside a forward, a backward's
+all-reduce, an optimizer step, the loss's all-reduce, a save, the loader or the pause between
+steps; the restart takes the warm spares, ready or still importing).
 
 A run passes when the restarted job ends 0, every step's global loss (its last value in the
 run's history) equals the never-failed run's bit for bit, nothing is left running, and it
 resumed either from the state of the last step every rank completed, no step trained twice
 (`rescued`), or from a regular save, the rank's log saying why nothing newer was kept
-(`regular`: the steps since that save are trained again).
+(`regular`: the steps since that save are trained again). Every step draws from every random
+stream (--augment), so a rank whose streams were not restored shows.
 
-    python benchmarks/rescue_stress.py [--runs 50] [--seed 0] [--out FILE]
+    python benchmarks/rescue_stress.py [--runs 50] [--seed 0] [--sleep 0.01] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ RESUMED = re.compile(r"Resuming training from snapshot at Epoch \d step (\d+)")
 DONE_FIRST = re.compile(r"rank \d+ attempt 0 epoch \d step (\d+) samples")  # after all-reduce
 
 
-def job(folder: Path, name: str, *extra: str) -> tuple[int, str, str, str]:
+def job(folder: Path, name: str, sleep: float, *extra: str) -> tuple[int, str, str, str]:
     run_id = "r" + uuid.uuid4().hex[:8]
     cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id, "--log-dir",
            str(folder / "logs"), "-n", "3", "--max-restarts", "1", str(SCRIPT), "2", "1",
            "--batch_size", "4", "--snapshot_path", str(folder / name), "--save_steps", "10",
-           "--sleep", "0.01", *extra]  # fmt: skip
+           "--sleep", str(sleep), "--augment", *extra]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and [p for p in processes_of_job(run_id) if is_alive(p)]:
@@ -64,20 +66,22 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--sleep", type=float, default=0.01, help="seconds per step: 0.1 lets "
+                        "the warm spares finish their imports before most kills")  # fmt: skip
     args = parser.parse_args()
     rng = random.Random(args.seed)
     counts: collections.Counter[str] = collections.Counter()
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        code, out, err, _ = job(Path(tmp), "never")
+        code, out, err, _ = job(Path(tmp), "never", args.sleep)
         assert code == 0, err
         expected = {step: [loss] for step, [loss] in losses(out).items()}
         assert sorted(expected) == list(range(1, 41)), sorted(expected)
     for n in range(args.runs):
-        rank, moment = rng.randrange(3), round(rng.uniform(0.05, 1.0), 3)
+        rank, moment = rng.randrange(3), round(rng.uniform(0.05, 0.8 + 40 * args.sleep), 3)
         with tempfile.TemporaryDirectory() as tmp:
             began = time.monotonic()
-            code, out, err, logs = job(Path(tmp), "state", "--fail_rank", str(rank),
+            code, out, err, logs = job(Path(tmp), "state", args.sleep, "--fail_rank", str(rank),
                                        "--kill_after", str(moment))  # fmt: skip
             seconds = time.monotonic() - began
         got = losses(out)
@@ -93,8 +97,10 @@ def main() -> int:
         elif "wrote the state of the last completed step" in err and resumed is not None:
             done = max(int(k) for k in DONE_FIRST.findall(out))
             twice = sorted(k for k, v in got.items() if len(v) > 1)
-            kind = "FAILED" if twice else "rescued"
+            said = re.search(r"restarted from step (\d+) in ([\d.]+) s, 0 steps lost", err)
+            kind = "FAILED" if twice or not said else "rescued"
             detail = f"resumed at step {resumed[1]}, {done - int(resumed[1])} step(s) lost"
+            detail += f", restarted in {said[2]} s" if said else "; NO RECOVERY LINE"
             detail += f"; steps trained twice: {twice}" if twice else ""
         else:
             why = re.search(r"ddpkit: (no state of the last step[^\n]*)", logs)

@@ -94,6 +94,7 @@ def test_run_flags_are_pinned():
             "--master_port",
             "--max-restarts",
             "--max_restarts",
+            "--no-spares",
             "--grace",
             "--init-timeout",
             "--init_timeout",

@@ -55,7 +55,7 @@ class TrainingProcess:
     pid: int
     job: str
     rank: str  # "" for a launcher, "launcher" shown instead
-    role: str  # launcher | worker | child
+    role: str  # launcher | worker | child | spare (ddpkit.launch.spares)
     state: str
     age_s: float
     cmd: str
@@ -143,7 +143,7 @@ def list_training_processes() -> list[TrainingProcess]:
     gpu_mem = _gpu_memory_by_pid()
     me = os.getpid()
     found: list[TrainingProcess] = []
-    for proc in psutil.process_iter(["pid", "ppid", "create_time", "status", "cmdline"]):
+    for proc in psutil.process_iter(["pid", "ppid", "create_time", "status", "cmdline", "name"]):
         if proc.pid == me:
             continue
         environ = _environ(proc)
@@ -158,6 +158,8 @@ def list_training_processes() -> list[TrainingProcess]:
             continue
         if role == "worker" and proc.info["ppid"] and _is_job_member(proc.info["ppid"], job):
             role = "child"  # e.g. a DataLoader worker: same env as its rank
+        if role == "worker" and proc.info["name"] == protocol.SPARE_NAME.decode():
+            role = "spare"  # waits to take its rank's place at a restart
         found.append(
             TrainingProcess(
                 pid=proc.pid,

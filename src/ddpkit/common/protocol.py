@@ -70,6 +70,7 @@ MEMORY = "memory"  # what the rank's memory held when it ran out (JSON: ddpkit.r
 MEMORY_SNAPSHOT = "memory-snapshot.pickle"  # --memory-snapshot: torch's allocator history
 MEMORY_PLOT = "memory.png"  # --memory-snapshot: the rank's allocated memory over its last events
 RNG = "rng"  # the random streams at the last step's boundary (ddpkit.train.rng_file)
+MODULES = "modules"  # the modules the rank imported from installed packages, at its first step
 COUNT = "count"  # the job's optimizer steps as this rank counts them (StepCount, mapped)
 ENDED = "ended"  # "CODE TIME": the rank ended by itself, with this code, at this wall time
 
@@ -77,6 +78,8 @@ ENDED = "ended"  # "CODE TIME": the rank ended by itself, with this code, at thi
 # the rank is blocked in C code). A real-time signal: SIGUSR1/SIGUSR2 belong to the user's
 # script (SLURM pre-emption, its own handlers), and no library here uses SIGRTMIN+5.
 STACKS_SIGNAL = signal.SIGRTMIN + 5
+# A warm spare's process name while it waits to take a rank's place (ddpkit.launch.spares)
+SPARE_NAME = b"ddpkit-spare"
 PHASES = ("started", "init", "ready")
 
 # A worker's stdout and stderr share one pipe (one ordered stream); the bootstrap frames what
@@ -135,10 +138,9 @@ def phase_of(raw: bytes) -> tuple[str, float]:
 
 @dataclass(frozen=True)
 class StepCount:
-    """The job's optimizer steps as a rank counts them (ddpkit.train.step_count): the steps of
-    the state its s.load_state went on from, the steps it did since, the wall time the first of
-    those ended, whether s.load_state found a state, and whether it was the one the ranks left
-    wrote at a failure."""
+    """The job's optimizer steps as a rank counts them (ddpkit.train.step_count): the loaded
+    state's steps, the steps done since, the wall time the first of them ended, whether
+    s.load_state found a state, and whether the ranks left wrote it at a failure."""
 
     base: int
     done: int

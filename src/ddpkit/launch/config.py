@@ -114,6 +114,9 @@ SWITCHES: dict[str, str] = {
     "memory-snapshot": "on an out-of-memory error, the failing GPU rank's allocator history "
     "(its last 100000 events: open it in pytorch.org/memory_viz) and a plot of its memory, in the "
     "run folder",
+    "no-spares": "start each restart cold: no warm spares (with --max-restarts, one process per "
+    "local rank imports torch while the job trains, ~0.3 GB of host memory each, and takes its "
+    "rank's place at a restart, seconds sooner)",
     "check-collectives": "check that every rank calls the same collective with the same "
     "shapes, and name the first divergence (TORCH_DISTRIBUTED_DEBUG=DETAIL; slower)",
 }
@@ -150,6 +153,7 @@ class LaunchConfig:
     straggler_window: int = 50
     check_collectives: bool = False
     memory_snapshot: bool = False
+    spares: bool = True  # warm spares for restarts (ddpkit.launch.spares); --no-spares
     torchrun: TorchrunOptions = TorchrunOptions()  # what torchrun's own flags asked for
     raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
     track: bool = True  # per-collective records and the flight recorder (hang doctor)
@@ -309,6 +313,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         ),
         check_collectives=bool(getattr(args, "check_collectives", False)),
         memory_snapshot=bool(getattr(args, "memory_snapshot", False)),
+        spares=not getattr(args, "no_spares", False),
         torchrun=torchrun or TorchrunOptions(),
     )
 

@@ -37,8 +37,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpkit.common import protocol
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import lifecycle, outcomes, recovery, report, rundir, watchdog
+from ddpkit.launch import lifecycle, outcomes, recovery, report, rundir, spares, watchdog
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.decide import Attempt, Next, Verdict, after_attempt
 from ddpkit.launch.hang import places
@@ -51,6 +52,7 @@ from ddpkit.launch.peers.nodes import NodeGroup, join
 from ddpkit.launch.peers.peers import Peers, peers_of
 from ddpkit.launch.report import HANG_EXIT_CODE
 from ddpkit.launch.snapshot import Reader, Snapshot
+from ddpkit.launch.spares import Spares
 from ddpkit.launch.speed.step_watch import SpeedWatch
 from ddpkit.launch.wait import Wait
 from ddpkit.launch.worker import Signals, Worker
@@ -64,6 +66,7 @@ from ddpkit.launch.workers import (
 )
 
 PR_SET_CHILD_SUBREAPER = 36
+SPARES_AFTER = 10.0  # seconds every rank is ready before spares start without a rank's imports
 log = logging.getLogger(__name__)
 
 
@@ -79,6 +82,7 @@ class Job:
     began: float = field(default_factory=time.monotonic)
     running: Running | None = None  # the attempt whose workers may be running
     failure: recovery.Failure | None = None  # the last restart's, until its cost is said
+    spares: Spares = field(default_factory=Spares)  # warm spares of the next attempt
 
     @property
     def wait(self) -> Wait:
@@ -95,6 +99,7 @@ class Running:
     speed: SpeedWatch
     outcome: report.Outcome | None = None
     ended: Snapshot | None = None  # the ranks as they ended
+    begun: tuple[int, int] = (0, 0)  # (attempt, rounds) of its Start
 
     @property
     def workers(self) -> list[Worker]:
@@ -142,6 +147,7 @@ def drive(job: Job) -> int:
     finally:
         if job.running is not None and job.running.outcome is None:  # an error while it ran
             _stop(job, job.running)
+        job.spares.end()
     outcome = job.running.outcome if job.running is not None else None
     return outcome.exit_code if outcome is not None else 1
 
@@ -240,15 +246,18 @@ def _start(job: Job, action: lifecycle.Start) -> Running:
         cfg, job.signals, workers, Reader(state_dir), peers, speed.memory.growth, speed.take
     )
     running = Running(scene, state_dir, HangWatch(state_dir, cfg.hang_timeout, peers), speed)
+    running.begun = (action.attempt, action.rounds)
     job.running = running  # stopped by drive() should anything below raise
     for local_rank in range(cfg.nproc_per_node):
         if job.signals.count:  # Ctrl+C or SIGTERM while starting: start no more
             break
         rank = node.group_rank * cfg.nproc_per_node + local_rank
         env = worker_env(cfg, node, rank, local_rank, action.attempt, state_dir)
-        workers.append(start_worker(cfg, rank, env, job.run_dir))
+        warm = job.spares.take(cfg, rank, env, job.run_dir, running.begun)
+        workers.append(warm or start_worker(cfg, rank, env, job.run_dir))
         watchdog.tell(job.watchdog, f"group {workers[-1].pgid}")
-        log.debug("rank %d started: pid %d", rank, workers[-1].proc.pid)
+        log.debug("rank %d started%s: pid %d", rank, " warm" * bool(warm), workers[-1].proc.pid)
+    job.spares.end()  # any not taken (a new round moved the ranks)
     speed.watch({w.rank: w.proc.pid for w in workers})
     log.debug("attempt %d: %d worker(s) in %s", action.attempt, len(workers), state_dir)
     if cfg.kind == "command" and not job.signals.count:
@@ -266,6 +275,7 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
         if waits is not None:
             _say(places.long_wait_note(snap, waits.waiting, waits.working, waits.began, job.wait))
     elif isinstance(action, lifecycle.Watch):
+        _make_spares(job, running, snap)
         if job.failure is not None:  # a restarted job: what the failure cost, once it steps
             ranks = [w.rank for w in running.workers]
             line = recovery.went_on(job.failure, running.state_dir, ranks)
@@ -278,6 +288,30 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
         while running.speed.notes:
             _say(running.speed.notes.pop(0))
         time.sleep(job.cfg.torchrun.monitor_interval)
+
+
+def _make_spares(job: Job, running: Running, snap: Snapshot) -> None:
+    """Once a rank of the attempt listed its imports at its first step (or every rank has been
+    ready for a while: a job without optimizer steps) and a restart can still come: the next
+    attempt's warm spares (ddpkit.launch.spares)."""
+    attempt, rounds = running.begun
+    nxt = (attempt + 1, rounds + 1)
+    if job.spares.for_start == nxt or not spares.wanted(job.cfg, attempt) or job.signals.count:
+        return
+    if not snap.ranks or any(v.phase != "ready" or not v.alive for v in snap.ranks):
+        return
+    listed = protocol.state_path(running.state_dir, snap.ranks[0].rank, protocol.MODULES)
+    if not listed.exists() and snap.wall - max(v.phase_since for v in snap.ranks) < SPARES_AFTER:
+        return
+    cfg, node = job.cfg, job.node
+    state_dir = job.run_dir / f"state{nxt[1]}"
+    envs = {}
+    for local_rank in range(cfg.nproc_per_node):
+        rank = node.group_rank * cfg.nproc_per_node + local_rank
+        envs[rank] = worker_env(cfg, node, rank, local_rank, nxt[0], state_dir)
+    for group in job.spares.start(cfg, envs, nxt, listed if listed.exists() else None):
+        watchdog.tell(job.watchdog, f"group {group}")
+    log.debug("spares for attempt %d: %s", nxt[0], sorted(job.spares.pids))
 
 
 def _collect_and_stop(job: Job, running: Running, verdict: Verdict, attempt: int) -> report.Outcome:
@@ -322,10 +356,11 @@ def _stop(job: Job, running: Running) -> float:
     # the ranks that read s.stop_requested save before they leave: a longer grace for them
     seen = running.scene.reader.look(workers, steps=False, usage=False)
     graceful = {v.rank for v in seen.ranks if v.graceful}
-    given = stop_workers(workers, job.cfg.grace, job.signals, job.node.run_id, graceful)
+    keep = frozenset(job.spares.pids)
+    given = stop_workers(workers, job.cfg.grace, job.signals, job.node.run_id, graceful, keep)
     for w in workers:
         w.output.close()
-    end_orphans({w.proc.pid for w in workers}, job.watchdog.pid)
+    end_orphans({w.proc.pid for w in workers} | keep, job.watchdog.pid)
     return given
 
 

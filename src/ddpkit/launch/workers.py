@@ -116,11 +116,17 @@ def worker_env(
     return env
 
 
-def start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path) -> Worker:
+def worker_command(cfg: LaunchConfig, env: dict[str, str], spare: int | None = None) -> list[str]:
+    """The worker's command line; a warm spare's has `--spare FD` before the script."""
     args = list(cfg.args)
     if cfg.torchrun.local_rank_arg:  # torch.distributed.launch put it first
         args.insert(0, f"{cfg.torchrun.local_rank_arg}={env['LOCAL_RANK']}")
-    cmd = [sys.executable, "-m", "ddpkit.rank.bootstrap", cfg.kind, cfg.target, *args]
+    waits = ["--spare", str(spare)] if spare is not None else []
+    return [sys.executable, "-m", "ddpkit.rank.bootstrap", *waits, cfg.kind, cfg.target, *args]
+
+
+def start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path) -> Worker:
+    cmd = worker_command(cfg, env)
     reads_stdin = stdin_rank(cfg) == rank
     store_fd = env.get(protocol.STORE_FD)
     proc = subprocess.Popen(
@@ -173,12 +179,17 @@ def stdin_rank(cfg: LaunchConfig) -> int | None:
 
 
 def stop_workers(
-    workers: list[Worker], grace: float, signals: Signals, run_id: str, graceful: set[int]
+    workers: list[Worker],
+    grace: float,
+    signals: Signals,
+    run_id: str,
+    graceful: set[int],
+    keep: frozenset[int] = frozenset(),
 ) -> float:
     """Every worker's group and every process of the run: the signal the launcher got (a
     forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
     `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected. Returns the
-    grace the ranks were given."""
+    grace the ranks were given. `keep`: the next attempt's warm spares (ddpkit.launch.spares)."""
     count_before = signals.count
     first = signals.last if signals.count else signal.SIGTERM
     alive = [w for w in workers if w.proc.poll() is None]
@@ -204,13 +215,17 @@ def stop_workers(
         given, grace, first = grace, 0.0, signal.SIGKILL
     else:
         given = grace
+
+    def of_the_attempt() -> list[psutil.Process]:
+        return [p for p in procs.processes_of_job(run_id, os.getpid()) if p.pid not in keep]
+
     procs.terminate(
-        procs.processes_of_job(run_id, os.getpid()),
+        of_the_attempt(),
         grace,
         groups=groups,
         first=first,
         impatient=impatient,
-        again=lambda: procs.processes_of_job(run_id, os.getpid()),
+        again=of_the_attempt,
     )
     for w in workers:
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
 import io
 import os
 import runpy
@@ -38,6 +39,8 @@ from ddpkit.common import protocol
 from ddpkit.rank import streams, tether
 from ddpkit.rank.ending import exit_quickly, user_frames
 from ddpkit.rank.import_hooks import ImportWatcher
+
+PR_SET_NAME = 15
 
 
 def set_phase(phase: str) -> None:
@@ -69,7 +72,10 @@ def main(argv: list[str]) -> None:
     from ddpkit.rank import progress
 
     progress.start_ticking()
-    sys.meta_path.insert(0, ImportWatcher())
+    watcher = ImportWatcher()
+    watcher.watch_loaded()  # a warm spare's torch, imported before it took its place
+    if watcher.targets:
+        sys.meta_path.insert(0, watcher)
     from ddpkit.errors import install_excepthook
 
     install_excepthook()
@@ -128,5 +134,64 @@ def run_script(target: str) -> None:
     exec(code, main.__dict__)  # noqa: S102 - the user's script, as python itself runs it
 
 
+def wait_as_spare(control: int) -> None:
+    """A warm spare (`--spare FD`, ddpkit.launch.spares): import torch now, while the job
+    trains, then wait for the launcher's word on `control` to take its place in a restarted
+    attempt. The environment is already that attempt's; EOF (the launcher is done with it, or
+    gone) ends it quietly."""
+    tether.tie_to_launcher()
+    name = _name_process(protocol.SPARE_NAME)  # `ddpkit ps` tells a spare from a rank by it
+    with contextlib.suppress(Exception):  # the script will meet the same error and say it
+        import torch  # noqa: F401
+    listed = b""
+    while not listed.endswith(b"\n"):  # first: where the last attempt's imports are listed
+        byte = os.read(control, 1)  # one at a time: the word to go may follow at once
+        if not byte:
+            os._exit(0)
+        listed += byte
+    _import_listed(listed.decode().strip())
+    try:
+        word = os.read(control, 1)
+    except OSError:
+        word = b""
+    if not word:
+        os._exit(0)
+    os.close(control)
+    _name_process(name)
+
+
+def _name_process(name: bytes) -> bytes:
+    """Set this process's name (its comm: `ps -e`, psutil's name()); the name it had."""
+    try:
+        with open("/proc/self/comm", "rb") as comm:  # noqa: PTH123
+            before = comm.read().strip()
+        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+    except (OSError, AttributeError):
+        return b""
+    return before
+
+
+def _import_listed(path: str) -> None:
+    """The modules a rank of the last attempt imported from installed packages (DDP's
+    torch._dynamo alone is a second here; transformers several)."""
+    import importlib
+
+    try:
+        with open(path) as listing:  # noqa: PTH123
+            names = listing.read().split()
+    except OSError:
+        return
+    for name in names:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: S112 - what will not import early is imported late
+                continue
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv[:1] == ["--spare"]:
+        wait_as_spare(int(argv[1]))
+        argv = argv[2:]
+    main(argv)

@@ -27,6 +27,28 @@ class ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             "torch.utils.data.dataloader": steps.patch_dataloader,
         }
 
+    def watch_loaded(self) -> None:
+        """The modules already imported (a warm spare imported torch before it took its
+        place: ddpkit.rank.spare): their functions run now. A function a module replaced is
+        replaced too where its package re-exported it (torch.distributed.init_process_group)."""
+        for name in [n for n in self.targets if n in sys.modules]:
+            module, after = sys.modules[name], self.targets.pop(name)
+            before = dict(vars(module))
+            try:
+                after(module)
+            except Exception as err:  # never break the script's torch
+                from ddpkit.errors import debug_note
+
+                debug_note(f"watching {name}", err)
+                continue
+            changed = {k: v for k, v in vars(module).items() if before.get(k, v) is not v}
+            parts = name.split(".")
+            for depth in range(1, len(parts)):
+                package = sys.modules.get(".".join(parts[:depth]))
+                for key, new in changed.items():
+                    if package is not None and getattr(package, key, None) is before[key]:
+                        setattr(package, key, new)
+
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         after = self.targets.pop(name, None)
         if after is None:

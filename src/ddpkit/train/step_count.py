@@ -68,6 +68,9 @@ def _stepped(optimizer: Any, *_: Any) -> None:
     if _record is not None:
         if _done == 1:
             struct.pack_into("<d", _record, 16, time.time())
+            from ddpkit.rank import progress
+
+            progress.write_modules()  # what the next attempt's warm spares import
         _record[8:16] = _done.to_bytes(8, "little", signed=True)
 
 

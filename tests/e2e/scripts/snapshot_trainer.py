@@ -6,7 +6,8 @@ can go on with M; `--save_steps N` saves every N steps too; `--fail_rank R --fai
 rank R fails at step S of the first attempt (`--fail_how`: raise an exception, SIGKILL itself,
 segfault, exit with code 3, or allocate host memory until the kernel's OOM killer ends it, run
 inside a memory cgroup with a limit;
-`--fail_where before|after`: before its forward, or after its optimizer step;
+`--fail_where before|after`: before its forward, or after its optimizer step; `--stamps`: the
+wall time of the failure and of each step, for benchmarks/restart_cost.py;
 `--kill_after SECONDS`: SIGKILL that long after training began, wherever it is). `--augment`
 draws from every random stream each step, as augmentation does (Python's random flips, numpy's
 noise, torch's dropout; a BatchNorm's running statistics move with each forward). Every rank
@@ -49,9 +50,10 @@ class MyTrainDataset(Dataset):
 
 class Trainer:
     def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep, steps,
-                 fail=(-1, 0, "raise", "before", 0.0), augment=False):  # fmt: skip
+                 fail=(-1, 0, "raise", "before", 0.0), augment=False, stamps=False):  # fmt: skip
         self.s = s
         self.augment = augment
+        self.stamps = stamps
         self.model = s.wrap(model)
         self.train_data = train_data
         self.optimizer = optimizer
@@ -76,6 +78,8 @@ class Trainer:
             return
         if where != self.fail_where:
             return
+        if self.stamps:
+            print(f"stamp failed {time.time()!r}", flush=True)
         if self.fail_how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.fail_how == "segfault":
@@ -106,6 +110,9 @@ class Trainer:
         dist.all_reduce(total)
         self.meta["step"] += 1
         self.s.print(f"step {self.meta['step']} loss {(total[0] / total[1]).item()!r}", flush=True)
+        if self.stamps and self.s.is_main:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            print(f"stamp attempt {attempt} step {self.meta['step']} {time.time()!r}", flush=True)
 
     def _run_epoch(self, epoch):
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -130,7 +137,8 @@ class Trainer:
                 self.s.save_state(self.snapshot_path, **self.to_save)
 
 
-def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps, fail, augment):
+def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps, fail, augment,
+         stamps):  # fmt: skip
     with ddpkit.setup(seed=0) as s:
         torch.manual_seed(0)
         dataset = MyTrainDataset(240)
@@ -150,6 +158,7 @@ def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps,
             save_steps,
             fail,
             augment,
+            stamps,
         )
         trainer.train(total_epochs)
         s.print("finished", flush=True)
@@ -173,7 +182,8 @@ if __name__ == "__main__":
     parser.add_argument("--fail_where", default="before", choices=["before", "after"])
     parser.add_argument("--kill_after", default=0.0, type=float, help="seconds, on --fail_rank")
     parser.add_argument("--augment", action="store_true", help="random flips, noise, dropout")
+    parser.add_argument("--stamps", action="store_true", help="wall times: failure, each step")
     args = parser.parse_args()
     fail = (args.fail_rank, args.fail_step, args.fail_how, args.fail_where, args.kill_after)
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep,
-         args.save_steps, fail, args.augment)  # fmt: skip
+         args.save_steps, fail, args.augment, args.stamps)  # fmt: skip
