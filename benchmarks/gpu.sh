@@ -17,12 +17,14 @@
 #   bash benchmarks/gpu.sh stopflag     # what reading s.stop_requested every step costs
 #                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
 #   bash benchmarks/gpu.sh rescue       # what keeping the last completed step costs (issue 38)
+#   bash benchmarks/gpu.sh restart      # failure to the restarted job's first step: torchrun,
+#                                       # ddpkit cold, ddpkit with warm spares (issue 38)
 #
 # Run from the repository root (the device tool does): ddpkit from the tree (PYTHONPATH=src).
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue"}
+MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue | restart"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -158,6 +160,14 @@ rescue)  # issue 38: the step-boundary snapshot against the step, at 1 GPU and a
     fi
   done
   grep -h -A4 "^.*model " "$OUT"/rescue_*.txt | sed 's/^\[rank 0\] //'
+  ;;
+restart)  # issue 38: a failure to the first step of the restarted job, against torchrun
+  machine
+  if [ "$N" -ge 2 ]; then ranks=2 fail=1; else ranks=1 fail=0; fi
+  timeout 420 python3 benchmarks/restart_cost.py --ranks "$ranks" --fail-rank "$fail" --runs 3 \
+    --keep "$OUT/restart_runs" >"$OUT/restart_cost.txt" 2>&1 || echo "FAILED restart_cost"
+  tar czf "$OUT/restart_runs.tgz" -C "$OUT" restart_runs && rm -r "$OUT/restart_runs"
+  tail -6 "$OUT/restart_cost.txt"
   ;;
 *)
   echo "unknown mode $MODE" >&2

@@ -103,7 +103,8 @@ def main() -> int:
             detail += f", restarted in {said[2]} s" if said else "; NO RECOVERY LINE"
             detail += f"; steps trained twice: {twice}" if twice else ""
         else:
-            why = re.search(r"ddpkit: (no state of the last step[^\n]*)", logs)
+            why = re.search(r"ddpkit: (no state of the last step[^\n]*|the state saved or "
+                            r"loaded last is the last completed step[^\n]*)", logs)  # fmt: skip
             kind = "regular"
             at = f"resumed at step {resumed[1]}" if resumed else "started over (no state yet)"
             detail = f"{at}: {why[1] if why else 'no rank kept one'}"

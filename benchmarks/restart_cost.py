@@ -13,6 +13,10 @@ attempt less the failure. Also counted: the steps done twice (the first attempt'
 after the step the second began with). Each case --runs times, alternating; medians printed.
 
     python benchmarks/restart_cost.py --ranks 2,4 --runs 3
+    python benchmarks/restart_cost.py --ranks 1 --fail-rank 0      # one GPU: the rank itself
+
+On a GPU the ranks train on it (NCCL); one rank has no peer to keep its step: the restart
+resumes from the last save, and the figure is the restart's time alone.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ STEP = re.compile(r"stamp attempt (\d+) step (\d+) (\d+\.\d+)")
 
 def command(how: str, ranks: int, folder: Path) -> list[str]:
     job = [str(SCRIPT), "2", "1", "--batch_size", "4", "--snapshot_path", str(folder / "state"),
-           "--save_steps", "10", "--fail_rank", "1", "--fail_step", "25", "--stamps",
+           "--save_steps", "10", "--fail_rank", str(args.fail_rank), "--fail_step", "25",
+           "--stamps",
            "--sleep", str(args.sleep)]  # fmt: skip
     if how == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -71,7 +76,8 @@ def main() -> None:
             for how in hows:
                 results.setdefault((how, ranks), []).append(one(how, ranks))
                 time.sleep(0.5)
-    print(f"failure to the restarted job's first step (median of {args.runs}; rank 1 raises at "
+    print(f"failure to the restarted job's first step (median of {args.runs}; rank "
+          f"{args.fail_rank} raises at "
           f"step 25, saves every 10)")  # fmt: skip
     print(f"{'ranks':>5}  {'launcher':<12}{'seconds':>9}{'x torchrun':>12}{'steps again':>13}")
     for ranks in ranks_list:
@@ -89,6 +95,7 @@ if __name__ == "__main__":
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--keep", type=Path, help="a folder for each run's output")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--fail-rank", type=int, default=1, help="0 for one rank (one GPU)")
     parser.add_argument("--sleep", type=float, default=0.3, help="seconds per step (the spares "
                         "import torch during the first steps)")  # fmt: skip
     args = parser.parse_args()

@@ -9,7 +9,11 @@ lost node: tests/multinode/test_nodes.py.)"""
 
 from __future__ import annotations
 
+import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +27,7 @@ from tests.e2e.helpers import (
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = str(SCRIPTS / "snapshot_trainer.py")
+STRESS = Path(__file__).parents[2] / "benchmarks" / "rescue_stress.py"
 STEP = re.compile(r"\] step (\d+) loss (\S+)")
 SAMPLES = re.compile(r"rank \d attempt (\d) epoch 0 step (\d+) samples ([\d,]+)")
 RESUMED = re.compile(r"Resuming training from snapshot at Epoch 0 step (\d+)")
@@ -65,14 +70,15 @@ def never(tmp_path_factory):
 
 @pytest.fixture
 def cgroup_for(request):
-    """A memory cgroup of 2 GiB for the OOM case (the job's ~1 GiB and room to grow), else None."""
+    """A memory cgroup of 4 GiB for the OOM case (the job and its warm spares hold ~2 GiB),
+    else None."""
     if request.node.callspec.params["how"] != "oom":
         yield None
         return
     cgroup = memory_cgroup_for_test()
     if cgroup is None:
         pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
-    limit_memory(cgroup, 2 * 2**30)
+    limit_memory(cgroup, 4 * 2**30)
     yield cgroup
     remove_cgroup(cgroup)
 
@@ -127,3 +133,16 @@ def test_a_failure_after_the_optimizer_step_keeps_the_last_regular_save(tmp_path
     ), job.stderr
     assert int(RESUMED.search(job.stdout)[1]) == 10
     assert not job.survivors()
+
+
+def test_kills_at_random_moments_resume_exactly_or_from_a_save_with_the_reason():
+    # a few runs of the stress (benchmarks/rescue_stress.py: 50 before an issue is resolved),
+    # a new seed each CI run: a random rank SIGKILLed at a random moment, drawing random numbers
+    seed = random.randrange(10**6)
+    done = subprocess.run(
+        [sys.executable, str(STRESS), "--runs", "3", "--seed", str(seed), "--sleep", "0.05"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, f"seed {seed}:\n{done.stdout}\n{done.stderr[-3000:]}"

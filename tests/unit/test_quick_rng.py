@@ -116,3 +116,11 @@ def test_a_copy_cut_off_in_the_middle_is_not_read(tmp_path):
 def test_outside_a_run_no_file_is_made(monkeypatch):
     monkeypatch.delenv("_DDPKIT_STATE_DIR", raising=False)
     assert rng_file.mine() is None
+
+
+def test_a_copy_from_the_optimizer_step_is_read_only_when_the_fetch_moved_nothing(tmp_path):
+    quick = QuickRng()
+    kept = rng_file.RngFile(tmp_path / "rank0.rng")
+    kept.write_taken(0, 9, quick, quick.take(), fetched=False)  # died before its next fetch
+    assert rng_file.read(tmp_path / "rank0.rng", 0, 9) is not None
+    assert rng_file.read(tmp_path / "rank0.rng", 0, 9, fetched=True) is None

@@ -47,11 +47,19 @@ def test_a_boundary_is_the_first_fetch_after_an_optimizer_step(job):
         x2, y2 = next(batches)  # two batches a step: gradient accumulation
         train_step(job, torch.cat([x, x2]), torch.cat([y, y2]))
     next(batches)
-    assert rescue._kept.boundaries == 4  # the first fetch, then one after each of 3 steps
+    assert rescue._kept.boundaries == 3  # one after each step; the first fetch is none
+
+
+def test_before_the_first_step_the_state_just_saved_or_loaded_is_the_step(job):
+    next(iter(job["loader"]))
+    said, loud = rescue.after_peer_failure()
+    assert said.startswith("the state saved or loaded last is the last completed step")
+    assert not rescue._kept.path.exists(), "nothing written: the state on disk is this step"
 
 
 def test_the_window_closes_when_the_optimizer_step_begins(job):
     batches = iter(job["loader"])
+    train_step(job, *next(batches))
     x, y = next(batches)
     assert rescue._kept.open
     train_step(job, x, y)

@@ -38,10 +38,11 @@ def failure_of(outcome: Outcome, ended: Snapshot, state_dir: Path, attempt: str)
     when = [v.ended_wall for v in ([root] if root is not None else failed) if v.ended_wall]
     counts = {v.rank: protocol.read_count(state_dir, v.rank) for v in ended.ranks}
     known = {r: c.base + c.done for r, c in counts.items() if c is not None}
+    step: int | None = None
     if root is not None and root.rank in known:
         step = known[root.rank] + 1
-    else:
-        step = max(known.values()) + 1 if known else None
+    elif known:
+        step = max(known.values()) + 1
     who = f"rank {root.rank}" if root is not None else "the job"
     return Failure(min(when, default=ended.wall), who, _short(outcome, root), step, attempt)
 

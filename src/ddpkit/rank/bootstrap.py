@@ -141,6 +141,8 @@ def wait_as_spare(control: int) -> None:
     gone) ends it quietly."""
     tether.tie_to_launcher()
     name = _name_process(protocol.SPARE_NAME)  # `ddpkit ps` tells a spare from a rank by it
+    # when memory runs out the kernel ends spares first: a spare must never cost a rank
+    adjusted = _oom_score_adj(b"1000")
     with contextlib.suppress(Exception):  # the script will meet the same error and say it
         import torch  # noqa: F401
     listed = b""
@@ -158,6 +160,20 @@ def wait_as_spare(control: int) -> None:
         os._exit(0)
     os.close(control)
     _name_process(name)
+    _oom_score_adj(adjusted)  # back to the rank's (raising and lowering back needs no privilege)
+
+
+def _oom_score_adj(value: bytes) -> bytes:
+    """Set this process's OOM score adjustment; the one it had (b"" where it cannot)."""
+    try:
+        with open("/proc/self/oom_score_adj", "r+b") as adj:  # noqa: PTH123
+            before = adj.read().strip()
+            if value:
+                adj.seek(0)
+                adj.write(value)
+        return before
+    except OSError:
+        return b""
 
 
 def _name_process(name: bytes) -> bytes:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import random
 import struct
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,7 +49,7 @@ class _Python:
         if not self.fast:
             self.value = random.getstate()
             return self.value
-        raw, gauss = ctypes.string_at(self.address, _RAW), random._inst.gauss_next
+        raw, gauss = ctypes.string_at(self.address, _RAW), random._inst.gauss_next  # type: ignore[attr-defined]
         if raw != self.raw or gauss != self.gauss or self.value is None:
             self.raw, self.gauss, self.value = raw, gauss, random.getstate()
         return self.value
@@ -80,7 +80,7 @@ class _Numpy:
     def _layout_matches(self) -> bool:
         try:
             raw = ctypes.string_at(self._address(), _RAW)
-            _, keys, pos, _, _ = self.np.random.get_state()
+            _, keys, pos, _, _ = cast(Any, self.np.random.get_state())
             return raw[: 4 * _WORDS] == keys.astype("<u4").tobytes() and (
                 struct.unpack("i", raw[4 * _WORDS :])[0] == pos
             )
@@ -100,7 +100,7 @@ class _Numpy:
         """The last take's key and position, as the struct holds them."""
         if self.fast and self.raw is not None:
             return self.raw
-        _, keys, pos, _, _ = self.value
+        _, keys, pos, _, _ = cast(Any, self.value)
         return keys.astype("<u4").tobytes() + struct.pack("i", pos)
 
 

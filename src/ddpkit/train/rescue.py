@@ -49,7 +49,10 @@ class Kept:
     objects: dict[str, Any]
     place: Placement
     open: bool = False  # inside the window: the live parameters are the last step's
-    stepped: bool = True  # an optimizer step since the last boundary (the next fetch is one)
+    # an optimizer step since the last boundary (the next fetch is one); none at first: until
+    # the next step the state on disk (just saved or loaded) is this very one
+    stepped: bool = False
+    after_step: dict[str, Any] | None = None  # the streams as the last optimizer step left them
     snapshot: dict[str, Any] = field(default_factory=dict)
     boundaries: int = 0
     base: int = 0  # the newest state when remembered: with `boundaries`, names a rescue
@@ -101,8 +104,13 @@ def _step_begins(*_: Any) -> None:
 
 
 def _step_ended(*_: Any) -> None:
-    if _kept is not None:
-        _kept.stepped = True
+    kept = _kept
+    if kept is None:
+        return
+    kept.stepped = True
+    if _streams_file():  # in case this rank dies before its next fetch (rng_file)
+        kept.after_step = _quick().take()
+        _file.write_taken(kept.base, kept.boundaries + 1, _rng, kept.after_step, fetched=False)
 
 
 def before_fetch(loader: Any) -> None:
@@ -113,20 +121,41 @@ def before_fetch(loader: Any) -> None:
     kept.stepped = False
     kept.snapshot = _snapshot(kept.plan)
     kept.boundaries += 1
-    _streams_to_file(kept)
+    taken, after, kept.after_step = kept.snapshot["rng"], kept.after_step, None
+    kept.snapshot["moved"] = after is None or not _same_streams(after, taken)
+    if kept.snapshot["moved"] and _streams_file():
+        _file.write_taken(kept.base, kept.boundaries, _rng, taken)
     kept.open = True
 
 
-def _streams_to_file(kept: Kept) -> None:
-    """This rank's streams where its node's survivors can read them if it dies (rng_file)."""
+def _streams_file() -> bool:
+    """This rank keeps its streams in a file its node's survivors read (a rank of ddpkit run)."""
     global _file
     if _file is None:
         from ddpkit.train import rng_file
 
         _file = rng_file.mine() or False
-    if not _file:
-        return
-    _file.write_taken(kept.base, kept.boundaries, _rng, kept.snapshot["rng"])
+    return bool(_file)
+
+
+def _quick() -> Any:
+    global _rng
+    if _rng is None:
+        from ddpkit.train.quick_rng import QuickRng
+
+        _rng = QuickRng()
+    return _rng
+
+
+def _same_streams(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether no stream moved between two takes (a QuickRng hands back the same object for
+    Python's and numpy's streams when they did not move)."""
+    if a["python"] is not b["python"] or a.get("numpy") is not b.get("numpy"):
+        return False
+    if not torch.equal(a["torch"], b["torch"]):
+        return False
+    cuda_a, cuda_b = a.get("cuda", []), b.get("cuda", [])
+    return len(cuda_a) == len(cuda_b) and all(map(torch.equal, cuda_a, cuda_b))
 
 
 def _plan(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[tuple[str, str, Any]]:
@@ -144,11 +173,6 @@ def _plan(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[tuple[st
 
 
 def _snapshot(plan: list[tuple[str, str, Any]]) -> dict[str, Any]:
-    global _rng
-    if _rng is None:
-        from ddpkit.train.quick_rng import QuickRng
-
-        _rng = QuickRng()
     snap: dict[str, Any] = {"loaders": {}, "small": {}, "buffers": {}, "dicts": {}}
     for name, how, target in plan:
         if how == "loader":
@@ -159,7 +183,7 @@ def _snapshot(plan: list[tuple[str, str, Any]]) -> dict[str, Any]:
             snap["buffers"][name] = _buffers_now(name, target)
         else:
             snap["small"][name] = _copy(target.state_dict())
-    snap["rng"] = _rng.take()
+    snap["rng"] = _quick().take()
     snap["steps"] = step_count.done()
     return snap
 
@@ -209,7 +233,7 @@ def _parts_of_the_fallen(tmp: Path, kept: Kept, snap: dict[str, Any]) -> list[in
         where = rng_file.of_rank(rank)
         if part.exists() or where is None:
             continue
-        streams = rng_file.read(where, kept.base, kept.boundaries)
+        streams = rng_file.read(where, kept.base, kept.boundaries, fetched=snap["moved"])
         if streams is not None:
             state.write(part, {"format": state.FORMAT, "rank": rank,
                                "world_size": kept.place.world_size, "rng": streams,
@@ -236,6 +260,8 @@ def after_peer_failure() -> tuple[str, bool] | None:
     kept = _kept
     if kept is None:
         return None
+    if kept.boundaries == 0 and not kept.stepped:
+        return "the state saved or loaded last is the last completed step: nothing to add", False
     if not kept.open or not kept.snapshot:
         return "no state of the last step kept: the failure came outside a step's window", False
     try:

@@ -10,6 +10,12 @@ alternate, each framed by its boundary's number at both ends, so a rank killed i
 a copy leaves the previous boundary whole. A rank on another node is out of reach: its part is
 re-seeded at load, as before.
 
+A rank can die between its optimizer step and its next fetch, after the others passed the
+boundary: its streams are written at the optimizer step too, labelled with the coming boundary,
+and again at the fetch only if they moved in between. The loop is the same on every rank, so a
+survivor whose own streams did not move there may take the failed rank's copy from its
+optimizer step; one whose streams moved takes only a copy from the fetch itself.
+
 Outside a worker of `ddpkit run` (no state folder) nothing is written.
 """
 
@@ -26,13 +32,13 @@ import torch
 from ddpkit.common import protocol
 
 SLOT = 16384  # bytes per slot: the streams take ~10.6 KB (CUDA: 16 bytes a GPU)
-_FRAME = struct.Struct("<qqq")  # boundary number, base, payload length
+_FRAME = struct.Struct("<qqq?7x")  # boundary number, base, payload length, taken at the fetch
 _END = struct.Struct("<q")
 _WORDS_BYTES = 2500
 _GAUSS = struct.Struct("<Bd")  # has a cached Gaussian, its value
 
 
-def path_of(state_dir: str | os.PathLike[str], rank: int) -> Path:
+def path_of(state_dir: str | Path, rank: int) -> Path:
     return protocol.state_path(state_dir, rank, protocol.RNG)
 
 
@@ -50,7 +56,7 @@ class RngFile:
 
     def write(self, base: int, boundary: int, python: bytes, py_gauss: float | None,
               numpy: tuple[bytes, int, float] | None, cpu: torch.Tensor,
-              cuda: list[torch.Tensor]) -> None:  # fmt: skip
+              cuda: list[torch.Tensor], fetched: bool = True) -> None:  # fmt: skip
         parts = [python, _GAUSS.pack(py_gauss is not None, py_gauss or 0.0)]
         if numpy is not None:
             words, has_gauss, gauss = numpy
@@ -65,22 +71,25 @@ class RngFile:
         end = at + _FRAME.size + len(payload)
         if end + _END.size > at + SLOT:
             return  # more GPUs than a slot holds: the rank's part is re-seeded, as before
-        self.map[at : at + _FRAME.size] = _FRAME.pack(boundary, base, len(payload))
+        self.map[at : at + _FRAME.size] = _FRAME.pack(boundary, base, len(payload), fetched)
         self.map[at + _FRAME.size : end] = payload
         self.map[end : end + _END.size] = _END.pack(boundary)
 
-    def write_taken(self, base: int, boundary: int, quick: Any, taken: dict[str, Any]) -> None:
-        """A QuickRng's take (quick_rng), its words as the generators hold them."""
+    def write_taken(self, base: int, boundary: int, quick: Any, taken: dict[str, Any],
+                    fetched: bool = True) -> None:  # fmt: skip
+        """A QuickRng's take (quick_rng), its words as the generators hold them; `fetched`:
+        taken at the boundary itself, not at the optimizer step that ended the step before."""
         numpy = None
         if "numpy" in taken and quick.numpy is not None:
             numpy = (quick.numpy.words(), taken["numpy"][3], taken["numpy"][4])
         self.write(base, boundary, quick.python.words(), taken["python"][2], numpy,
-                   taken["torch"], taken.get("cuda", []))  # fmt: skip
+                   taken["torch"], taken.get("cuda", []), fetched)  # fmt: skip
 
 
-def read(path: Path, base: int, boundary: int) -> dict[str, Any] | None:
+def read(path: Path, base: int, boundary: int, fetched: bool = False) -> dict[str, Any] | None:
     """The streams this file holds for (base, boundary), in `state.rng_state()`'s layout; None
-    when it holds no whole copy of that boundary."""
+    when it holds no whole copy of that boundary (`fetched`: none taken at the boundary
+    itself; a copy from the optimizer step before it will not do)."""
     try:
         raw = path.read_bytes()
     except OSError:
@@ -88,9 +97,11 @@ def read(path: Path, base: int, boundary: int) -> dict[str, Any] | None:
     at = (boundary % 2) * SLOT
     if len(raw) < at + SLOT:
         return None
-    number, its_base, length = _FRAME.unpack_from(raw, at)
+    number, its_base, length, at_fetch = _FRAME.unpack_from(raw, at)
     end = at + _FRAME.size + length
     if (number, its_base) != (boundary, base) or end + _END.size > at + SLOT:
+        return None
+    if fetched and not at_fetch:
         return None
     if _END.unpack_from(raw, end)[0] != boundary:
         return None  # the copy was cut off
