@@ -149,8 +149,8 @@ shard)
   ;;
 rescue)  # issue 38: the step-boundary snapshot against the step, at 1 GPU and at 2 when lent
   machine
-  for run in "wide 64" "wide 512" "gpt 8" "resnet 64"; do
-    set -- $run
+  for run in ${RESCUE_MODELS:-wide:64 wide:512 gpt:8 resnet:64}; do  # model:batch
+    set -- ${run/:/ }
     if [ "$N" -ge 2 ]; then
       timeout 250 python3 -m ddpkit run -n 2 benchmarks/rescue_snapshot_cost.py --model "$1" \
         --batch "$2" >"$OUT/rescue_$1_b$2.txt" 2>&1

@@ -27,6 +27,7 @@ import contextlib
 import copy
 import os
 import pickle
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -222,9 +223,19 @@ def _buffers_now(name: str, model: torch.nn.Module) -> _Buffers:
     return held
 
 
+def _write_part(tmp: Path, rank: int, part: dict[str, Any]) -> None:
+    """rankN.pt whole or not at all: the rank itself and the claimer may both write it."""
+    from ddpkit.train import state
+
+    partial = tmp / f"rank{rank}.pt.{os.getpid()}.partial"
+    state.write(partial, part)
+    os.replace(partial, tmp / f"rank{rank}.pt")
+
+
 def _parts_of_the_fallen(tmp: Path, kept: Kept, snap: dict[str, Any]) -> list[int]:
-    """A rank of this node that wrote no part (the one that failed): its part from the streams
-    it left in its file at this boundary. Its loaders stood where every rank's did."""
+    """A rank of this node that wrote no part yet (the one that failed, one still blocked): its
+    part from the streams it left in its file at this boundary. Its loaders stood where every
+    rank's did."""
     from ddpkit.train import rng_file, state
 
     fallen = []
@@ -235,9 +246,9 @@ def _parts_of_the_fallen(tmp: Path, kept: Kept, snap: dict[str, Any]) -> list[in
             continue
         streams = rng_file.read(where, kept.base, kept.boundaries, fetched=snap["moved"])
         if streams is not None:
-            state.write(part, {"format": state.FORMAT, "rank": rank,
-                               "world_size": kept.place.world_size, "rng": streams,
-                               "loaders": snap["loaders"]})  # fmt: skip
+            _write_part(tmp, rank, {"format": state.FORMAT, "rank": rank,
+                                    "world_size": kept.place.world_size, "rng": streams,
+                                    "loaders": snap["loaders"]})  # fmt: skip
             fallen.append(rank)
     return fallen
 
@@ -291,11 +302,14 @@ def _write(kept: Kept) -> tuple[str, bool]:
         "rng": as_saved(snap["rng"]),
         "loaders": snap["loaders"],
     }
-    state.write(tmp / f"rank{place.rank}.pt", mine)
+    _write_part(tmp, place.rank, mine)
     try:
         os.close(os.open(tmp / "shared.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return f"rank {place.rank} kept its part of the state of the last completed step", False
+    if done.exists():  # this rank made the folder again after the claimer had finished it
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"rank {place.rank}: the state of the last step was written without its part", False
     stateful = {}
     for name_, obj in kept.objects.items():
         if state.kind_of(name_, obj) != "stateful":
@@ -318,17 +332,19 @@ def _write(kept: Kept) -> tuple[str, bool]:
         "steps": snap["steps"],
     }
     state.write(tmp / "shared.pt", shared)
-    deadline = time.monotonic() + PARTS_WAIT
-    while time.monotonic() < deadline and len(list(tmp.glob("rank*.pt"))) < place.world_size - 1:
-        time.sleep(0.05)
+    # this node's ranks without a part, from their streams' files at once: a rank left can be
+    # blocked on a peer that waits for this one to end; only other nodes' parts are waited for
     fallen = _parts_of_the_fallen(tmp, kept, snap)
+    deadline = time.monotonic() + PARTS_WAIT
+    while time.monotonic() < deadline and len(list(tmp.glob("rank*.pt"))) < place.world_size:
+        time.sleep(0.05)
     (tmp / "shared.claim").unlink()
     (tmp / state.DONE).write_text(f"{place.world_size}\n")
     final = root / f"{state.STATE_PREFIX}{state.latest_seq(root) + 1:08d}"
     with contextlib.suppress(OSError):
         state.fsync_dir(tmp)
+    done.touch()  # before the rename: a rank later than that finds it and adds nothing
     os.replace(tmp, final)
-    done.touch()
     with contextlib.suppress(OSError):
         state.fsync_dir(root)
     parts = sorted(int(p.stem[4:]) for p in final.glob("rank*.pt") if int(p.stem[4:]) not in fallen)
