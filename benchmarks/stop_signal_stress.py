@@ -12,7 +12,7 @@ with 128+signal, or 1 where the failure was reported first (or killed by the sig
 report is whole: it came as the launcher returned), and no process of the job is left.
 
     python benchmarks/stop_signal_stress.py [--runs 100] [--ranks 3] [--around-a-failure]
-        [--out FILE]
+        [--max-restarts 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -37,14 +37,20 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def signal_job(
-    script: list[str], ranks: int, mark: str, sig: int, delay: float, folder: Path
+    script: list[str],
+    ranks: int,
+    mark: str,
+    sig: int,
+    delay: float,
+    folder: Path,
+    launcher: tuple[str, ...] = (),
 ) -> tuple[int | None, str, float, list]:
     """`ddpkit run -n RANKS SCRIPT`, signalled `delay` s after its output shows `mark` (at once
     if it ends first): (exit code, None if it never showed the mark; output; seconds from the
     signal to the launcher's end; the job's processes left, killed since)."""
     run_id = "s" + uuid.uuid4().hex[:8]
     cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id, "--log-dir",
-           str(folder / "logs"), "-n", str(ranks), *script]  # fmt: skip
+           str(folder / "logs"), "-n", str(ranks), *launcher, *script]  # fmt: skip
     out = folder / "out.txt"
     with out.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
@@ -69,10 +75,12 @@ def signal_job(
     return code, out.read_text(), took, left
 
 
-def stopped_run(ranks: int, sig: int, delay: float, folder: Path) -> tuple[bool, str, float]:
+def stopped_run(
+    ranks: int, sig: int, delay: float, folder: Path, launcher: tuple[str, ...] = ()
+) -> tuple[bool, str, float]:
     """Signalled after every rank read s.stop_requested: every rank saved at the same step."""
     script = [str(SCRIPTS / "stops_cleanly.py"), str(folder / "state")]
-    code, text, took, left = signal_job(script, ranks, "step 20 ", sig, delay, folder)
+    code, text, took, left = signal_job(script, ranks, "step 20 ", sig, delay, folder, launcher)
     if code is None:
         return False, text, took
     saved = dict(re.findall(r"rank (\d+) saved at step (\d+)", text))
@@ -117,8 +125,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--around-a-failure", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    spares = "passed to ddpkit run: with 1 the job has warm spares (made at its first step)"
+    parser.add_argument("--max-restarts", type=int, default=0, help=spares)
     args = parser.parse_args()
-    one_run = failure_run if args.around_a_failure else stopped_run
     signals = SIGNALS[:2] if args.around_a_failure else SIGNALS
     plan = random.Random(int(time.time()))
     tally: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -128,7 +137,11 @@ def main() -> None:
         sig = signals[run % len(signals)]
         delay = plan.uniform(0.0, 1.5)
         with tempfile.TemporaryDirectory() as folder:
-            ok, why, took = one_run(args.ranks, sig, delay, Path(folder))
+            if args.around_a_failure:
+                ok, why, took = failure_run(args.ranks, sig, delay, Path(folder))
+            else:
+                launcher = ("--max-restarts", str(args.max_restarts))
+                ok, why, took = stopped_run(args.ranks, sig, delay, Path(folder), launcher)
         name = signal.Signals(sig).name
         tally[name]["pass" if ok else "fail"] += 1
         times.append(took)

@@ -25,9 +25,8 @@ from pathlib import Path
 
 from ddpkit.common import protocol
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.output import RankOutput
 from ddpkit.launch.worker import Worker
-from ddpkit.launch.workers import shown_streams, stdin_rank, worker_command
+from ddpkit.launch.workers import stdin_rank, worker_command, worker_of
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +100,7 @@ class Spares:
             _end(spare)
             return None
         os.close(spare.control)
-        local = int(env["LOCAL_RANK"])
-        output = RankOutput(
-            rank,
-            str(run_dir / f"rank{rank}.log"),
-            shown_streams(cfg, rank, local),
-            not cfg.raw_output,
-            reads_stdin=stdin_rank(cfg) == rank,
-        )
-        assert spare.proc.stdout is not None
-        output.start(spare.proc.stdout)
-        return Worker(rank, spare.proc, output)
+        return worker_of(cfg, rank, env, run_dir, spare.proc)
 
     def end(self) -> None:
         """Every spare still waiting ends."""

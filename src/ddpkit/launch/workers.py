@@ -138,13 +138,20 @@ def start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Pat
         start_new_session=True,
         pass_fds=(int(store_fd),) if store_fd else (),
     )
-    local = int(env["LOCAL_RANK"])
+    return worker_of(cfg, rank, env, run_dir, proc)
+
+
+def worker_of(
+    cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path, proc: subprocess.Popen[bytes]
+) -> Worker:
+    """The rank's worker around its process (started now, or a warm spare taking its place):
+    its output read from the pipe into the rank's log and the console."""
     output = RankOutput(
         rank,
         str(run_dir / f"rank{rank}.log"),
-        shown_streams(cfg, rank, local),
+        shown_streams(cfg, rank, int(env["LOCAL_RANK"])),
         not cfg.raw_output,
-        reads_stdin=reads_stdin,
+        reads_stdin=stdin_rank(cfg) == rank,
     )
     if proc.stdout is None:
         raise RuntimeError("worker pipe missing")

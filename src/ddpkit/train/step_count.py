@@ -43,7 +43,8 @@ def _open_record() -> mmap.mmap | None:
     if not state_dir or rank is None or os.environ.get(protocol.RANK_PID) != str(os.getpid()):
         return None  # not a rank of ddpkit run (a DataLoader worker inherits the variables)
     try:
-        fd = os.open(protocol.state_path(state_dir, rank, protocol.COUNT), os.O_RDWR | os.O_CREAT)
+        path = protocol.state_path(state_dir, rank, protocol.COUNT)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.posix_fallocate(fd, 0, protocol.COUNT_FORMAT.size)
             return mmap.mmap(fd, protocol.COUNT_FORMAT.size)
