@@ -18,7 +18,8 @@
 #                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
 #   bash benchmarks/gpu.sh rescue       # what keeping the last completed step costs (issue 38)
 #   bash benchmarks/gpu.sh restart      # failure to the restarted job's first step: torchrun,
-#                                       # ddpkit cold, ddpkit with warm spares (issue 38)
+#                                       # ddpkit cold, ddpkit with warm spares (issue 38;
+#                                       # RESTART_RUNS=3 RESTART_SLEEP=0.3 s a step)
 #
 # Run from the repository root (the device tool does): ddpkit from the tree (PYTHONPATH=src).
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
@@ -164,8 +165,8 @@ rescue)  # issue 38: the step-boundary snapshot against the step, at 1 GPU and a
 restart)  # issue 38: a failure to the first step of the restarted job, against torchrun
   machine
   if [ "$N" -ge 2 ]; then ranks=2 fail=1; else ranks=1 fail=0; fi
-  timeout 420 python3 benchmarks/restart_cost.py --ranks "$ranks" --fail-rank "$fail" --runs 3 \
-    --keep "$OUT/restart_runs" >"$OUT/restart_cost.txt" 2>&1 || echo "FAILED restart_cost"
+  timeout 420 python3 benchmarks/restart_cost.py --ranks "$ranks" --fail-rank "$fail" \
+    --runs "${RESTART_RUNS:-3}" --sleep "${RESTART_SLEEP:-0.3}" --keep "$OUT/restart_runs" >"$OUT/restart_cost.txt" 2>&1 || echo "FAILED restart_cost"
   tar czf "$OUT/restart_runs.tgz" -C "$OUT" restart_runs && rm -r "$OUT/restart_runs"
   tail -6 "$OUT/restart_cost.txt"
   ;;

@@ -294,3 +294,27 @@ def test_a_gpu_rank_with_nccls_kernel_started_waits_in_the_collective_not_for_it
         gpu,
         "train.py:30",
     )
+
+
+# -- a long wait for a working rank: who waits ------------------------------------------------
+
+
+def watch_with_quiet(quiet: dict[int, float], now: float = 1000.0):
+    from pathlib import Path
+
+    from ddpkit.launch.hang.progress_watch import HangWatch, RankState
+
+    watch = HangWatch(Path("/nonexistent"), timeout=4.0, peers=None)  # peers: not consulted
+    watch.ranks = {r: RankState(last_progress=now - q) for r, q in quiet.items()}
+    watch._watch_waits(now)
+    return watch.waits
+
+
+def test_a_long_wait_names_every_waiting_rank_not_only_the_first_past_the_threshold():
+    # rank 1 reached the wait 4.5 s ago, rank 0 a busy sample later: both wait for rank 2
+    waits = watch_with_quiet({0: 3.2, 1: 4.5, 2: 0.5})
+    assert (waits.waiting, waits.working) == ([0, 1], [2])
+
+
+def test_no_long_wait_is_said_before_one_rank_waited_the_threshold():
+    assert watch_with_quiet({0: 3.2, 1: 3.9, 2: 0.5}) is None

@@ -140,7 +140,11 @@ class HangWatch:
         if len(working) == len(quiet):
             self.said_wait = False  # everyone moves again: a new episode may be said
             return
-        waiting = [r for r, q in quiet.items() if q >= self._wait_threshold()]
+        if max(quiet.values()) < self._wait_threshold():
+            return
+        # every rank not working waits, though some came to the wait a sample or two later
+        # (a busy machine): named once, all of them, not only the first to pass the threshold
+        waiting = [r for r in quiet if r not in working]
         debugged = any(self.ranks[r].said_prompt for r in working)  # said with the prompt
         if waiting and working and not debugged and not self.said_wait and self.waits is None:
             self.said_wait = True
