@@ -4,7 +4,9 @@ job: tests/e2e/scripts/snapshot_trainer.py (the ddp-tutorial trainer), 3 gloo ra
 of 20 steps, a save every 10 steps, `--max-restarts 1`; a random rank is killed a random
 moment into training (0.05 s to 0.8 s + 40 steps' --sleep: inside a forward, a backward's
 all-reduce, an optimizer step, the loss's all-reduce, a save, the loader or the pause between
-steps; the restart takes the warm spares, ready or still importing).
+steps; the restart takes the warm spares, ready or still importing). Each run draws its
+DataLoader workers from --workers (with workers, the killed rank's forked workers hold its
+connections: the ranks left never hear of it until the launcher asks them to write).
 
 A run passes when the restarted job ends 0, every step's global loss (its last value in the
 run's history) equals the never-failed run's bit for bit, nothing is left running, and it
@@ -13,7 +15,8 @@ resumed either from the state of the last step every rank completed, no step tra
 (`regular`: the steps since that save are trained again). Every step draws from every random
 stream (--augment), so a rank whose streams were not restored shows.
 
-    python benchmarks/rescue_stress.py [--runs 50] [--seed 0] [--sleep 0.01] [--out FILE]
+    python benchmarks/rescue_stress.py [--runs 50] [--seed 0] [--sleep 0.01] [--workers 0,2]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -68,7 +71,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--sleep", type=float, default=0.01, help="seconds per step: 0.1 lets "
                         "the warm spares finish their imports before most kills")  # fmt: skip
+    parser.add_argument("--workers", default="0,2", help="DataLoader workers, one drawn a run")
     args = parser.parse_args()
+    choices = [int(w) for w in args.workers.split(",")]
     rng = random.Random(args.seed)
     counts: collections.Counter[str] = collections.Counter()
     lines = []
@@ -79,14 +84,15 @@ def main() -> int:
         assert sorted(expected) == list(range(1, 41)), sorted(expected)
     for n in range(args.runs):
         rank, moment = rng.randrange(3), round(rng.uniform(0.05, 0.8 + 40 * args.sleep), 3)
+        workers = rng.choice(choices)
         with tempfile.TemporaryDirectory() as tmp:
             began = time.monotonic()
             code, out, err, logs = job(Path(tmp), "state", args.sleep, "--fail_rank", str(rank),
-                                       "--kill_after", str(moment))  # fmt: skip
+                                       "--kill_after", str(moment), "-j", str(workers))  # fmt: skip
             seconds = time.monotonic() - began
         got = losses(out)
         resumed = RESUMED.search(out)
-        what = f"rank {rank} killed at {moment:.3f} s"
+        what = f"rank {rank} killed at {moment:.3f} s (-j {workers})"
         if "restarting the whole group" not in err or (resumed and resumed[1] == "40"):
             kind, detail = "no failure", "the kill came after the last step"
         elif code != 0 or "LEFT RUNNING" in err:

@@ -120,6 +120,22 @@ def test_a_failed_rank_costs_no_step_and_every_later_loss_is_the_never_failed_ru
     assert not job.survivors()
 
 
+def test_a_killed_rank_whose_dataloader_workers_hold_its_connections_costs_no_step(tmp_path, never):
+    # `-j 2`, as pytorch/examples' scripts take it: rank 1's forked DataLoader workers hold its
+    # connections to its peers, so the ranks left are never told it died (as under NCCL, whose
+    # collective with a lost peer never returns): the launcher asks them to write
+    args = ["--fail_rank", "1", "--fail_step", "15", "--fail_how", "kill", "-j", "2"]
+    job = run(tmp_path, "state", *args)
+    assert job.finish(120) == 0, job.stderr
+    assert re.search(r"rank \d wrote the state of the last completed step to .*state-", job.stderr)
+    assert re.search(r"restarted from step 15 in [\d.]+ s, 0 steps lost", job.stderr), job.stderr
+    assert int(RESUMED.search(job.stdout)[1]) == 14
+    got = losses(job.stdout)
+    assert got == {step: [loss] for step, [loss] in never.items()}
+    assert trained_on(job.stdout, 14) == list(range(240)), "every sample once"
+    assert not job.survivors()
+
+
 def test_a_failure_after_the_optimizer_step_keeps_the_last_regular_save(tmp_path):
     # the ranks left fail in the loss's all-reduce after their optimizer step: the parameters
     # are no longer the last boundary's, so nothing is written and the save at step 10 is used

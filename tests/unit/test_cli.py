@@ -102,6 +102,8 @@ def test_run_flags_are_pinned():
             "--log_dir",
             "--log-level",
             "--log_level",
+            "--profile-steps",
+            "--profile_steps",
             "--ranks",
             "--run-id",
             "--run_id",

@@ -97,3 +97,29 @@ def test_a_failure_inside_the_window_writes_the_boundarys_state_not_the_live_one
 def test_a_sharded_or_single_rank_job_is_not_armed(tmp_path):
     rescue.remember(tmp_path, {"counters": {}}, Placement(world_size=1))
     assert rescue._kept is None
+
+
+def test_a_rescue_is_written_once_though_the_error_hook_and_the_launcher_both_ask(job, tmp_path):
+    batches = iter(job["loader"])
+    train_step(job, *next(batches))
+    next(batches)  # inside the window
+    said, loud = rescue.after_peer_failure()
+    assert "wrote the state of the last completed step" in said
+    assert rescue.after_peer_failure() is None, "the second asker adds nothing"
+    assert rescue._on_request().decode() == said, "the launcher hears what was done"
+    assert len(list((tmp_path / "ckpt").glob("state-*"))) == 1
+
+
+def test_once_a_rescue_began_the_scripts_next_optimizer_step_waits(job):
+    import threading
+
+    batches = iter(job["loader"])
+    train_step(job, *next(batches))
+    x, y = next(batches)
+    weights = [p.clone() for p in job["model"].parameters()]
+    rescue._on_request()  # as the answering thread does, while the script computes
+    script = threading.Thread(target=train_step, args=(job, x, y), daemon=True)
+    script.start()
+    script.join(1.0)
+    assert script.is_alive(), "the optimizer step waits (the launcher ends the process)"
+    assert all(map(torch.equal, weights, job["model"].parameters())), "no parameter moved"

@@ -20,7 +20,7 @@ from typing import NoReturn
 from ddpkit._version import __version__
 from ddpkit.errors import DdpkitError, debug_enabled
 
-COMMANDS = ("run", "demo", "doctor", "bench", "ps", "kill", "stacks", "top")
+COMMANDS = ("run", "demo", "doctor", "bench", "ps", "kill", "stacks", "top", "profile")
 # the commands that are a launcher: by the time they return, every process of the job has
 # ended, its files are closed and the launcher's watchdog has been told it is done
 LAUNCHERS = ("run", "demo")

@@ -38,9 +38,10 @@ FRAMED = "_DDPKIT_FRAMED"  # "1": stdout and stderr share one pipe; frame sys.st
 STORE_FD = "_DDPKIT_STORE_FD"
 # --memory-snapshot: how many allocator events each GPU rank records (torch's memory history)
 MEMORY_HISTORY = "_DDPKIT_MEMORY_HISTORY"
+PROFILE = "_DDPKIT_PROFILE"  # --profile-steps: the plan (JSON, ddpkit.rank.profiling.Plan)
 WORKER_VARIABLES = (
     JOB, LAUNCHER_PID, STATE_DIR, INIT_TIMEOUT, BACKEND, TRACK, RANK_PID, FRAMED, STORE_FD,
-    MEMORY_HISTORY,
+    MEMORY_HISTORY, PROFILE,
 )  # fmt: skip
 
 
@@ -62,6 +63,17 @@ FLIGHT_DUMP = "fr"  # the rank's answer (pickled dump)
 FLIGHT_STATUS_REQUEST = "fr-status-request"
 FLIGHT_STATUS_DUMP = "fr-status"
 FLIGHT_READY = "fr-ready"  # exists once the rank answers dump requests
+# a peer failed while this rank may be blocked on it (NCCL, a peer's connections held open):
+# the rank writes the last completed step's state from a thread of its own (ddpkit.train.rescue)
+RESCUE_REQUEST = "rescue-request"
+RESCUE_DONE = "rescue-done"  # its answer: what it did, in words
+RESCUE_READY = "rescue-ready"  # exists once the rank keeps a step it could write
+# `ddpkit profile`: the plan (JSON, ddpkit.rank.profiling.Plan), then the request; the rank
+# answers whether it armed, and writes what it recorded once done (JSON)
+PROFILE_PLAN = "profile-plan"
+PROFILE_REQUEST = "profile-request"
+PROFILE_ARMED = "profile-armed"
+PROFILE_DONE = "profile-done"
 TORCH_ERROR = "torch-error.json"  # TORCHELASTIC_ERROR_FILE: what torch's @record writes
 GRACEFUL = "graceful"  # exists once the rank reads s.stop_requested: it saves before it stops
 GROUP = "group"  # the default process group's backend and collective timeout (JSON)
@@ -442,11 +454,8 @@ class StepRecord:
     count: int  # steps written so far
     gpu: str  # the GPU's UUID ("" on the CPU)
     steps: list[Step]  # the ones asked for that the ring still holds, oldest first
-    memory: tuple[int, int, int] = (
-        0,
-        0,
-        0,
-    )  # GPU bytes at the last step: allocated, peak, reserved
+    # GPU bytes at the last step: allocated, peak, reserved
+    memory: tuple[int, int, int] = (0, 0, 0)
 
 
 def read_steps(state_dir: str | Path, rank: int | str, since: int = 0) -> StepRecord | None:
@@ -474,27 +483,9 @@ def read_steps(state_dir: str | Path, rank: int | str, since: int = 0) -> StepRe
 # The torch.distributed calls the rank records (the outermost call only: all_gather_object's
 # own all_gather is part of it), and that the hang doctor recognises in a stack.
 COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "reduce",
-    "barrier",
-    "monitored_barrier",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather_object",
-    "scatter_object_list",
-    "all_reduce_coalesced",
-    "batch_isend_irecv",
-)
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "monitored_barrier", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "all_reduce_coalesced", "batch_isend_irecv",
+)  # fmt: skip

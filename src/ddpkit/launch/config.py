@@ -89,6 +89,12 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
         "median rank's is named as a straggler; 0 turns the verdicts off",
     ),
     "straggler-window": ("50", "steps of each rank a straggler verdict looks at"),
+    "profile-steps": (
+        None,
+        "record these steps of every rank with torch's profiler, e.g. 20-25 (numbered as "
+        "`ddpkit top` shows them): a trace per rank, a merged one and where each step goes, in "
+        "the run folder and printed (also on a running job: `ddpkit profile`)",
+    ),
     "log-level": (
         "warning",
         "the launcher's own log on stderr (ddpkit.<module>): debug shows each decision as it "
@@ -154,6 +160,7 @@ class LaunchConfig:
     check_collectives: bool = False
     memory_snapshot: bool = False
     spares: bool = True  # warm spares for restarts (ddpkit.launch.spares); --no-spares
+    profile_steps: tuple[int, int] | None = None  # --profile-steps A-B: the first and last
     torchrun: TorchrunOptions = TorchrunOptions()  # what torchrun's own flags asked for
     raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
     track: bool = True  # per-collective records and the flight recorder (hang doctor)
@@ -314,6 +321,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         check_collectives=bool(getattr(args, "check_collectives", False)),
         memory_snapshot=bool(getattr(args, "memory_snapshot", False)),
         spares=not getattr(args, "no_spares", False),
+        profile_steps=values.step_range(args.profile_steps) if args.profile_steps else None,
         torchrun=torchrun or TorchrunOptions(),
     )
 

@@ -20,6 +20,7 @@ stops being written, with one warning, and the console goes on (docs/launcher.md
 from __future__ import annotations
 
 import os
+import re
 import select
 import sys
 import threading
@@ -216,6 +217,9 @@ class Console:
                 self.closed = "the console's output was closed"
 
 
+_TRACE_POINT = re.compile(rb"^USDT:[^\n]*(\n|$)", re.M)
+
+
 def _pieces(data: bytes) -> list[bytes]:
     """Split after each newline and before each carriage return."""
     pieces, start = [], 0
@@ -360,6 +364,10 @@ class RankOutput:
 
     def _show(self, stream: int, data: bytes) -> None:
         shown = data.replace(self._torch_prefix, b"") if self.prefix else data
+        if b"USDT:" in shown:  # kineto's trace points (profiler_start): for the log only
+            shown = _TRACE_POINT.sub(b"", shown)
+            if not shown:
+                return
         self.console.write(self.rank, self.prefix, stream, shown)
 
     def _show_held(self) -> None:

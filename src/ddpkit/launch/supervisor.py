@@ -39,7 +39,17 @@ from pathlib import Path
 
 from ddpkit.common import protocol
 from ddpkit.errors import debug_enabled
-from ddpkit.launch import lifecycle, outcomes, recovery, report, rundir, spares, watchdog
+from ddpkit.launch import (
+    lifecycle,
+    outcomes,
+    profile_breakdown,
+    recovery,
+    report,
+    rescuing,
+    rundir,
+    spares,
+    watchdog,
+)
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.decide import Attempt, Next, Verdict, after_attempt
 from ddpkit.launch.hang import places
@@ -66,6 +76,8 @@ from ddpkit.launch.workers import (
 )
 
 PR_SET_CHILD_SUBREAPER = 36
+# a peer's failure: the ranks left write the last completed step before they are stopped
+RESCUED_AFTER = (Verdict.RANK_FAILED, Verdict.NODE_LOST, Verdict.OTHER_NODE)
 SPARES_AFTER = 10.0  # seconds every rank is ready before spares start without a rank's imports
 log = logging.getLogger(__name__)
 
@@ -100,6 +112,7 @@ class Running:
     outcome: report.Outcome | None = None
     ended: Snapshot | None = None  # the ranks as they ended
     begun: tuple[int, int] = (0, 0)  # (attempt, rounds) of its Start
+    profile_looked: float = 0.0  # monotonic time --profile-steps' recording was last looked for
 
     @property
     def workers(self) -> list[Worker]:
@@ -284,6 +297,7 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
                 _say(line)
         while running.hangs.notes:
             _say(running.hangs.notes.pop(0))
+        _say_profile(job, running, at_end=False)
         running.speed.sample(snap)
         while running.speed.notes:
             _say(running.speed.notes.pop(0))
@@ -334,6 +348,9 @@ def _collect_and_stop(job: Job, running: Running, verdict: Verdict, attempt: int
             scene.peers.publish_abort(
                 Abort(node.group_rank, why, others, restart), job.signals.count > 0
             )
+        if verdict in RESCUED_AFTER and not job.signals.count:
+            # the ranks left may be blocked on the lost one for good: they write first
+            rescuing.ask_survivors(workers, scene.look(), running.state_dir, job.wait)
     finally:
         given = _stop(job, running)
     speed = running.speed
@@ -364,10 +381,42 @@ def _stop(job: Job, running: Running) -> float:
     return given
 
 
+def _say_profile(job: Job, running: Running, at_end: bool) -> None:
+    """--profile-steps: once every rank of this node has written its recording (or at the
+    job's end, what was written), where each step went."""
+    steps = job.cfg.profile_steps
+    now = time.monotonic()
+    if steps is None or running.begun[0] != 0 or (not at_end and now - running.profile_looked < 1):
+        return
+    running.profile_looked = now
+    folder = job.run_dir / f"profile-{steps[0]}-{steps[1]}"
+    ranks = [w.rank for w in running.workers]
+    if (folder / "breakdown.txt").exists():
+        return
+    written = [r for r in ranks if (folder / f"rank{r}.summary.json").exists()]
+    if not written and at_end:
+        last = profile_breakdown.last_step(running.state_dir, ranks)
+        _say(f"--profile-steps {steps[0]}-{steps[1]}: the job's last step was {last}: nothing "
+             "recorded (`ddpkit top` shows a job's steps as it runs)")  # fmt: skip
+        return
+    if not written or (len(written) < len(ranks) and not at_end):
+        return
+    try:
+        merged = profile_breakdown.merge(folder)
+        recordings = profile_breakdown.read(folder, dict.fromkeys(ranks, running.state_dir))
+        report = profile_breakdown.text(recordings, folder, merged)
+        (folder / "breakdown.txt").write_text(report + "\n")
+        profile_breakdown.plot(recordings, folder / "breakdown.png")
+    except (OSError, ValueError) as err:
+        report = f"the recording of steps {steps[0]}-{steps[1]} could not be read: {err}"
+    _say(report)
+
+
 def _say_end(job: Job, running: Running) -> None:
     """The job's last word: done, or its report."""
     peers, outcome = running.scene.peers, running.outcome
     assert outcome is not None
+    _say_profile(job, running, at_end=True)
     if debug_enabled() and peers.debug_line():
         _say(peers.debug_line())
     if outcome.ok:

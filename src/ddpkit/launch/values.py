@@ -81,6 +81,23 @@ def run_id(text: str) -> str:
     return text
 
 
+def step_range(text: str) -> tuple[int, int]:
+    """'20-25' (or '20', one step) as (20, 25): steps numbered from 1, at most 1000 of them."""
+    first, _, last = str(text).strip().partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(
+            f"--profile-steps {text!r} is not a range of steps", fix="e.g. --profile-steps 20-25"
+        ) from None
+    if not 1 <= a <= b or b - a >= 1000:
+        raise ConfigError(
+            f"--profile-steps {text!r}: steps are numbered from 1, first to last, at most 1000",
+            fix="e.g. --profile-steps 20-25",
+        )
+    return a, b
+
+
 def number(
     value: object,
     flag: str,

@@ -6,6 +6,7 @@ what they left behind is ended."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -40,6 +41,14 @@ FORWARDED = (
     signal.SIGUSR2,
     signal.SIGQUIT,
 )
+
+
+def profile_plan(steps: tuple[int, int], run_dir: Path) -> str:
+    """--profile-steps A-B as the ranks' plan (ddpkit.rank.profiling.Plan, as JSON)."""
+    first, last = steps
+    folder = run_dir / f"profile-{first}-{last}"
+    return json.dumps({"first": first - 1, "steps": last - first + 1, "folder": str(folder),
+                       "id": f"run-{first}-{last}"})  # fmt: skip
 
 
 def worker_env(
@@ -106,6 +115,8 @@ def worker_env(
         env[protocol.MEMORY_HISTORY] = str(MEMORY_HISTORY_ENTRIES)
     if cfg.check_collectives:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if cfg.profile_steps is not None and attempt == 0:  # a restart numbers its steps anew
+        env[protocol.PROFILE] = profile_plan(cfg.profile_steps, state_dir.parent)
     if cfg.omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
     if cfg.backend == "gloo":

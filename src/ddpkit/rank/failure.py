@@ -69,6 +69,14 @@ def log_only(text: str) -> None:
             return
 
 
+def say(text: str, loud: bool) -> None:
+    """A line of ddpkit's: on the console (and so in the log) when loud, else in the log."""
+    if loud:
+        print(f"ddpkit: {text}", file=sys.stderr, flush=True)
+    else:
+        log_only(f"ddpkit: {text}\n")
+
+
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
@@ -107,9 +115,7 @@ def record_errors() -> None:
             for after in AFTER_A_PEER:
                 did = after()
                 if did is not None:
-                    log_only(f"ddpkit: {did[0]}\n")
-                    if did[1]:
-                        print(f"ddpkit: {did[0]}", file=sys.stderr, flush=True)
+                    say(*did)
         if framed and isinstance(value, DdpkitError):
             log_only(value.render() + "\n")
         elif framed and victim:

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.rank import profiling
 
 OFF_VARIABLE = "DDPKIT_STEP_TIMING"  # 0: no step timing in the ranks
 
@@ -300,6 +301,8 @@ def install_optimizer_hooks(optimizer_module: Any) -> None:
         return
     _clock = Clock(writer)
     optimizer_module.register_optimizer_step_post_hook(_after_step)
+    profiling.arm_from_environment()
+    profiling.serve(state_dir, rank)
     import atexit
 
     atexit.register(flush)
@@ -308,6 +311,8 @@ def install_optimizer_hooks(optimizer_module: Any) -> None:
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _clock is not None:
         _clock.after_step(optimizer)
+        if profiling.plan is not None:  # `ddpkit profile` armed this rank
+            profiling.after_step(_clock.number, _clock.cuda is not None)
 
 
 def timed_here(path: Any) -> Any:

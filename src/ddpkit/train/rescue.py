@@ -13,12 +13,22 @@ the next optimizer step begins, which closes the window. Whatever else the loop 
 window (its epoch-end work after the last batch, a scheduler stepped early, counters bumped)
 changes only what the snapshot holds a copy of, so the resumed loop does it again exactly.
 
-On a failure that waited for a peer (the bootstrap's error hook) inside the window, this rank
-writes its part of a state in save_state's layout (ddpkit.train.state): its own `rankN.pt`, and
-`shared.pt` by the first survivor to claim it, who then waits a moment for the others' parts
-and finishes the folder atomically (COMPLETE, then the rename). A rank whose part is missing
-(the one that failed) is re-seeded at load with a notice. Outside the window nothing is
-written and the last regular save is used.
+On a failure that waited for a peer (the bootstrap's error hook), or when the launcher asks
+(a peer failed and this rank may never hear of it: under NCCL its collective with the lost peer
+never returns; a dead peer's DataLoader workers hold its connections open), inside the window
+this rank writes its part of a state in save_state's layout (ddpkit.train.state): its own
+`rankN.pt`, and `shared.pt` by the first survivor to claim it, who also writes the parts of
+this node's ranks that have none from the random streams each left in its file at the boundary
+(ddpkit.train.rng_file), waits a moment for other nodes' parts and finishes the folder
+atomically (COMPLETE, then the rename). A rank whose part is still missing (its node was lost)
+is re-seeded at load with a notice. Outside the window nothing is written and the last regular
+save is used.
+
+Asked by the launcher, the rank's answering thread does the writing (ddpkit.rank.answering):
+the script's thread may be blocked in C code. It first stops the script's thread at its next
+hook, for good (a step must not begin while the state is written; the launcher ends the process
+once it has its answer), and under NCCL aborts the communicators (torch's abort), so that the
+copies the write makes do not queue behind a collective that never ends.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import copy
 import os
 import pickle
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +77,14 @@ _kept: Kept | None = None
 _rng: Any = None  # a QuickRng, made at the first snapshot
 _file: Any = None  # this rank's rng_file.RngFile; False outside a run or when it cannot be made
 _hooks: list[Any] = []
+# the script's hooks and a rescue on the launcher's request, one at a time; once a rescue has
+# begun (_halted) the script's thread waits in its next hook until the launcher ends the process
+_guard = threading.Lock()
+_halted = False
+_once = threading.Lock()  # one rescue per process: by the error hook or on request
+_said: tuple[str, bool] | None = None  # what the rescue did, once it ran
+_rescued = False
+_serving = False  # the launcher's requests are answered (a rank of ddpkit run)
 
 
 def remember(path: str | os.PathLike[str], objects: Mapping[str, Any], place: Placement) -> None:
@@ -92,26 +111,48 @@ def remember(path: str | os.PathLike[str], objects: Mapping[str, Any], place: Pl
         failure.AFTER_A_PEER.append(after_peer_failure)
         _hooks.append(optimizer_module.register_optimizer_step_pre_hook(_step_begins))
         _hooks.append(optimizer_module.register_optimizer_step_post_hook(_step_ended))
+    _serve_requests()
 
 
 def forget() -> None:
-    global _kept
-    _kept = None
+    """Nothing kept, no rescue done: as a new process (tests drive several in one)."""
+    global _kept, _halted, _rescued, _said
+    _kept, _halted, _rescued, _said = None, False, False, None
+
+
+def _enter() -> None:
+    """Take the guard for one of the script's hooks. Once a rescue has begun the script's
+    thread stays here: the launcher ends the process when the state is written."""
+    _guard.acquire()
+    if _halted:
+        _guard.release()
+        while True:
+            time.sleep(3600)
 
 
 def _step_begins(*_: Any) -> None:
-    if _kept is not None:
-        _kept.open = False
+    if _kept is None:
+        return
+    _enter()
+    try:
+        if _kept is not None:
+            _kept.open = False
+    finally:
+        _guard.release()
 
 
 def _step_ended(*_: Any) -> None:
     kept = _kept
     if kept is None:
         return
-    kept.stepped = True
-    if _streams_file():  # in case this rank dies before its next fetch (rng_file)
-        kept.after_step = _quick().take()
-        _file.write_taken(kept.base, kept.boundaries + 1, _rng, kept.after_step, fetched=False)
+    _enter()
+    try:
+        kept.stepped = True
+        if _streams_file():  # in case this rank dies before its next fetch (rng_file)
+            kept.after_step = _quick().take()
+            _file.write_taken(kept.base, kept.boundaries + 1, _rng, kept.after_step, fetched=False)
+    finally:
+        _guard.release()
 
 
 def before_fetch(loader: Any) -> None:
@@ -119,14 +160,65 @@ def before_fetch(loader: Any) -> None:
     kept = _kept
     if kept is None or not kept.stepped or id(loader) not in kept.loaders:
         return
-    kept.stepped = False
-    kept.snapshot = _snapshot(kept.plan)
-    kept.boundaries += 1
-    taken, after, kept.after_step = kept.snapshot["rng"], kept.after_step, None
-    kept.snapshot["moved"] = after is None or not _same_streams(after, taken)
-    if kept.snapshot["moved"] and _streams_file():
-        _file.write_taken(kept.base, kept.boundaries, _rng, taken)
-    kept.open = True
+    _enter()
+    try:
+        kept.stepped = False
+        kept.snapshot = _snapshot(kept.plan)
+        kept.boundaries += 1
+        taken, after, kept.after_step = kept.snapshot["rng"], kept.after_step, None
+        kept.snapshot["moved"] = after is None or not _same_streams(after, taken)
+        if kept.snapshot["moved"] and _streams_file():
+            _file.write_taken(kept.base, kept.boundaries, _rng, taken)
+        kept.open = True
+    finally:
+        _guard.release()
+
+
+def _serve_requests() -> None:
+    """A rank of `ddpkit run` answers the launcher's request to write (once per process)."""
+    global _serving
+    from ddpkit.common import protocol
+
+    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
+    if _serving or not state_dir or rank is None:
+        return
+    if os.environ.get(protocol.RANK_PID) != str(os.getpid()):  # a child of the rank
+        return
+    from ddpkit.rank import answering
+
+    _serving = True
+    answering.answer(state_dir, rank, protocol.RESCUE_REQUEST, protocol.RESCUE_DONE, _on_request)
+    protocol.state_path(state_dir, rank, protocol.RESCUE_READY).touch()
+
+
+def _on_request() -> bytes:
+    """The launcher's request, on the answering thread: a peer failed. Stop the script's thread
+    at its next hook, abort NCCL, write; the answer is what was done, in words."""
+    global _halted
+    with _guard:
+        _halted = True
+    kept = _kept
+    if kept is not None and kept.place.backend == "nccl":
+        _abort_nccl(kept.place)
+    did = after_peer_failure()
+    if did is not None:
+        from ddpkit.rank import failure
+
+        failure.say(*did)
+    said = _said or ("nothing to write: no state of a completed step is kept", False)
+    return said[0].encode()
+
+
+def _abort_nccl(place: Placement) -> None:
+    """The copies the write makes would queue behind the collective with the lost peer, which
+    never ends: abort the communicators first (torch's abort). The device is per thread."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        torch.cuda.set_device(place.device)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            abort()
 
 
 def _streams_file() -> bool:
@@ -266,8 +358,21 @@ def _buffers_at_boundary(name: str, model: torch.nn.Module, held: _Buffers) -> d
 def after_peer_failure() -> tuple[str, bool] | None:
     """This rank failed waiting for a peer: write its part of the last step's state (and, if
     it claims it first, the shared part). What it did, in words, and whether the console
-    should hear it; None when nothing was kept. Never raises: the error that brought us here
+    should hear it; None when nothing was kept, or when it was done already (the error hook
+    and the launcher's request may both come). Never raises: the error that brought us here
     is what the rank reports."""
+    global _halted, _rescued, _said
+    with _once:
+        if _rescued:
+            return None
+        _rescued = True
+        with _guard:
+            _halted = True  # no step begins while the state is written
+        _said = _rescue()
+        return _said
+
+
+def _rescue() -> tuple[str, bool] | None:
     kept = _kept
     if kept is None:
         return None

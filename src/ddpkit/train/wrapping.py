@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -85,8 +86,14 @@ def wrap_ddp(
 
     for option, value in WRAP_DEFAULTS.items():
         ddp_kwargs.setdefault(option, value)
-    if buffers_are_batchnorm_statistics(model):
-        ddp_kwargs.setdefault("broadcast_buffers", False)
+    if buffers_are_batchnorm_statistics(model) and "broadcast_buffers" not in ddp_kwargs:
+        # torch 2.13 renamed it, and warns on every rank at the old name; the new one still
+        # syncs the buffers once at wrap (rank 0's, the same start)
+        known = inspect.signature(DistributedDataParallel.__init__).parameters
+        ddp_kwargs.setdefault(
+            "forward_sync_buffers" if "forward_sync_buffers" in known else "broadcast_buffers",
+            False,
+        )
     if place.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [place.device.index])
         ddp_kwargs.setdefault("output_device", place.device.index)

@@ -8,7 +8,8 @@ segfault, exit with code 3, or allocate host memory until the kernel's OOM kille
 inside a memory cgroup with a limit;
 `--fail_where before|after`: before its forward, or after its optimizer step; `--stamps`: the
 wall time of the failure and of each step, for benchmarks/restart_cost.py;
-`--kill_after SECONDS`: SIGKILL that long after training began, wherever it is). `--augment`
+`--kill_after SECONDS`: SIGKILL that long after training began, wherever it is; `-j N`: N
+DataLoader workers, which inherit the rank's connections to its peers). `--augment`
 draws from every random stream each step, as augmentation does (Python's random flips, numpy's
 noise, torch's dropout; a BatchNorm's running statistics move with each forward). Every rank
 prints the sample ids of each batch it trains on: `rank R attempt A epoch E step S samples
@@ -138,7 +139,7 @@ class Trainer:
 
 
 def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps, fail, augment,
-         stamps):  # fmt: skip
+         stamps, workers):  # fmt: skip
     with ddpkit.setup(seed=0) as s:
         torch.manual_seed(0)
         dataset = MyTrainDataset(240)
@@ -146,7 +147,7 @@ def main(save_every, total_epochs, batch_size, snapshot_path, sleep, save_steps,
         if augment:
             model = torch.nn.Sequential(torch.nn.BatchNorm1d(20), torch.nn.Dropout(0.2), model)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-        train_data = s.loader(dataset, batch_size=batch_size)
+        train_data = s.loader(dataset, batch_size=batch_size, num_workers=workers)
         trainer = Trainer(
             s,
             model,
@@ -183,7 +184,8 @@ if __name__ == "__main__":
     parser.add_argument("--kill_after", default=0.0, type=float, help="seconds, on --fail_rank")
     parser.add_argument("--augment", action="store_true", help="random flips, noise, dropout")
     parser.add_argument("--stamps", action="store_true", help="wall times: failure, each step")
+    parser.add_argument("-j", "--workers", default=0, type=int, help="data loading workers")
     args = parser.parse_args()
     fail = (args.fail_rank, args.fail_step, args.fail_how, args.fail_where, args.kill_after)
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep,
-         args.save_steps, fail, args.augment, args.stamps)  # fmt: skip
+         args.save_steps, fail, args.augment, args.stamps, args.workers)  # fmt: skip

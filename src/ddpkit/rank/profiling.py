@@ -1,0 +1,204 @@
+"""Recording chosen steps of a running rank with torch's profiler, with no change to the script
+(`ddpkit profile`, `ddpkit run --profile-steps`).
+
+A plan names the steps, as the step timing numbers them (ddpkit.rank.steps: step 1 is the
+first timed step; every rank of the job numbers them alike), so every rank records the same
+ones: recording starts at the end of step `first` and stops at the end of step `first +
+steps`. Armed by the launcher's environment at start (`--profile-steps`), or on request on a
+running job: `ddpkit profile` writes the plan file, then the request; the rank's answering
+thread (ddpkit.rank.answering) reads the plan and answers whether it is armed in time (a rank
+already past the first step answers so, and the command plans again further on).
+
+Nothing is armed otherwise: the step hook reads one module attribute. Once the last step is
+recorded the rank stops the profiler, writes its trace (Chrome/Perfetto JSON, gzipped) and a
+summary (its top ops by own time, its communication time, what the recording cost) into the
+plan's folder and its state folder, then goes on. A rank that exits during the recording
+writes what it recorded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpkit.common import protocol
+
+TOP = 12  # ops kept in the summary
+
+
+@dataclass(frozen=True)
+class Plan:
+    first: int  # recording starts at the end of this step (0: at the first timed step)
+    steps: int  # steps recorded
+    folder: str  # where the traces go (the run folder's profile-<first+1>-<last>/)
+    shapes: bool = False  # record_shapes
+    stack: bool = False  # with_stack
+    id: str = ""  # the plan's name: a new plan replaces an armed one
+
+    @property
+    def last(self) -> int:
+        return self.first + self.steps
+
+
+plan: Plan | None = None  # armed; read by the step hook each step
+_profiler: Any = None
+_began = 0.0
+_recorded = 0
+
+
+def arm_from_environment() -> None:
+    """`ddpkit run --profile-steps`: armed from the start."""
+    raw = os.environ.get(protocol.PROFILE)
+    if raw:
+        try:
+            _arm(Plan(**json.loads(raw)))
+        except (TypeError, ValueError):
+            pass
+
+
+def serve(state_dir: str, rank: str) -> None:
+    """Answer `ddpkit profile`'s requests (the answering thread reads the plan file)."""
+    from ddpkit.rank import answering
+
+    answering.answer(
+        state_dir, rank, protocol.PROFILE_REQUEST, protocol.PROFILE_ARMED,
+        lambda: _on_request(state_dir, rank),
+    )  # fmt: skip
+
+
+def _on_request(state_dir: str, rank: str) -> bytes:
+    from ddpkit.rank import steps
+
+    clock = steps.clock()
+    now = clock.number if clock is not None else -1
+    try:
+        raw = protocol.state_path(state_dir, rank, protocol.PROFILE_PLAN).read_text()
+        asked = Plan(**json.loads(raw))
+    except (OSError, TypeError, ValueError) as err:
+        return json.dumps({"armed": False, "now": now, "why": f"no plan: {err}"}).encode()
+    if _profiler is not None:
+        return json.dumps({"armed": False, "now": now, "why": "already recording"}).encode()
+    if now >= asked.first:
+        return json.dumps({"armed": False, "now": now, "why": "past the first step"}).encode()
+    _arm(asked)
+    return json.dumps({"armed": True, "now": now}).encode()
+
+
+def _arm(new: Plan) -> None:
+    global plan
+    plan = new
+
+
+def after_step(number: int, on_gpu: bool) -> None:
+    """The step hook, at the end of step `number`, while a plan is armed."""
+    global _profiler, _began, _recorded
+    armed = plan
+    if armed is None:
+        return
+    if _profiler is None:
+        if number == armed.first:
+            _start(armed, on_gpu)
+        elif number > armed.first:  # started after the first step (a new attempt): missed
+            _write_summary(armed, {"missed": True, "now": number})
+            _disarm()
+        return
+    _recorded = number - armed.first
+    if number >= armed.last:
+        _finish(armed, ended_early=False)
+
+
+def _start(armed: Plan, on_gpu: bool) -> None:
+    global _profiler, _began, _recorded
+    import torch.profiler
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _profiler = torch.profiler.profile(
+        activities=activities, record_shapes=armed.shapes, with_stack=armed.stack
+    )
+    _profiler.start()
+    _began, _recorded = time.perf_counter(), 0
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    if _profiler is not None and plan is not None:
+        _finish(plan, ended_early=True)
+
+
+def _finish(armed: Plan, ended_early: bool) -> None:
+    """Stop, write the trace and the summary; the plan is done."""
+    global _profiler
+    profiler, _profiler = _profiler, None
+    _disarm()
+    seconds = time.perf_counter() - _began
+    profiler.stop()
+    rank = os.environ.get("RANK", "0")
+    folder = Path(armed.folder)
+    trace = folder / f"rank{rank}.trace.json.gz"
+    began = time.perf_counter()
+    facts: dict[str, Any] = {"seconds": seconds, "recorded": _recorded, "ended_early": ended_early}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(trace))
+        facts["trace"] = str(trace)
+    except Exception as err:  # a full disk: the summary still says what happened
+        facts["trace_error"] = f"{type(err).__name__}: {err}"
+    facts.update(summarise(profiler))
+    facts["export_s"] = time.perf_counter() - began
+    _write_summary(armed, facts)
+
+
+def _disarm() -> None:
+    global plan
+    plan = None
+
+
+def summarise(profiler: Any) -> dict[str, Any]:
+    """The top ops by own time (on the GPU when it ran there), and the communication time."""
+    averages = profiler.key_averages()
+    on_gpu = any(_device_time(e) > 0 for e in averages)
+    rows = []
+    comm = 0.0
+    for e in averages:
+        own = _device_time(e) if on_gpu else float(e.self_cpu_time_total)
+        name = str(e.key)
+        if on_gpu and name.lower().startswith("nccl"):  # NCCL's kernels
+            comm += _device_time(e) / 1e6
+        elif not on_gpu and name.startswith("gloo:"):  # gloo's threads' spans
+            comm += float(e.cpu_time_total) / 1e6
+        if own > 0:
+            rows.append((name, own / 1e6, int(e.count)))
+    rows.sort(key=lambda r: -r[1])
+    return {"device": "gpu" if on_gpu else "cpu", "top": rows[:TOP], "comm_s": comm}
+
+
+def _device_time(event: Any) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, name, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+def _write_summary(armed: Plan, facts: dict[str, Any]) -> None:
+    rank = os.environ.get("RANK", "0")
+    text = json.dumps({"rank": int(rank), "plan": asdict(armed), **facts})
+    state_dir = os.environ.get(protocol.STATE_DIR)
+    places = [Path(armed.folder) / f"rank{rank}.summary.json"]
+    if state_dir:
+        places.append(protocol.state_path(state_dir, rank, protocol.PROFILE_DONE))
+    for path in places:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+        except OSError:
+            pass

@@ -1,0 +1,122 @@
+"""`ddpkit profile` on a running job and `ddpkit run --profile-steps` (issue 39), on real gloo
+ranks: the same steps recorded on every rank with torch's profiler, no change to the script (a
+plain DDP loop as the PyTorch tutorial writes it: tests/e2e/scripts/uneven.py), the job going
+on; the breakdown names the rank slowed on purpose and the op it spends its time in; bad input
+ends in a clear message with the job untouched."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import SCRIPTS, start
+
+pytestmark = pytest.mark.timeout(240)
+UNEVEN = str(SCRIPTS / "uneven.py")
+
+
+def profile(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit", "profile", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def events(trace: Path) -> list[dict]:
+    with gzip.open(trace, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def test_profile_records_the_same_steps_of_every_rank_and_names_the_slowed_one_and_its_op(
+    tmp_path,
+):
+    # rank 1's forward does extra matmuls from the second phase on: it holds the others back
+    job = start(["-n", "3", UNEVEN, "even", "compute:3", "--phase", "150", "--io", "0.01"],
+                tmp_path)  # fmt: skip
+    job.wait_for("extra", timeout=120)
+    done = profile(job.run_id, "--steps", "5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = done.stdout
+    assert "the others wait for rank 1: its compute time stands out" in said, said
+    top_of_rank_1 = said.split("meanwhile it spends most in ")[1].split(" ")[0]
+    assert top_of_rank_1 in ("aten::mm", "aten::tanh"), said  # the extra matmuls
+    (folder,) = (tmp_path / "logs" / job.run_id).glob("profile-*")
+    summaries = [json.loads((folder / f"rank{r}.summary.json").read_text()) for r in range(3)]
+    assert len({json.dumps(s["plan"]) for s in summaries}) == 1, "one plan: the same steps"
+    assert [s["recorded"] for s in summaries] == [5, 5, 5]
+    for rank in range(3):
+        names = {e.get("name") for e in events(folder / f"rank{rank}.trace.json.gz")}
+        assert "gloo:all_reduce" in names, "DDP's collectives"
+        assert "aten::addmm" in names, "the model's ops"
+    merged = events(folder / "merged.trace.json.gz")
+    processes = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert {p.split(":")[0] for p in processes} == {"rank 0", "rank 1", "rank 2"}
+    assert (folder / "breakdown.txt").read_text().strip() == said.split("\n", 1)[1].strip()
+    assert job.proc.poll() is None, "the job keeps training"
+    assert job.finish(180) == 0, job.stderr
+    assert not job.survivors()
+
+
+def test_profile_steps_records_from_the_start_and_prints_the_breakdown(tmp_path):
+    job = start(["-n", "2", "--profile-steps", "5-8", UNEVEN, "even", "--phase", "30"], tmp_path)
+    assert job.finish(120) == 0, job.stderr
+    assert "ddpkit: steps 5-8 recorded on 2 rank(s)" in job.stderr, job.stderr
+    assert "top ops by own time over the recorded steps:" in job.stderr
+    assert "USDT:" not in job.stdout + job.stderr, "kineto's trace points stay in the logs"
+    folder = tmp_path / "logs" / job.run_id / "profile-5-8"
+    assert sorted(p.name for p in folder.glob("rank*.trace.json.gz")) == [
+        "rank0.trace.json.gz",
+        "rank1.trace.json.gz",
+    ]
+    assert not job.survivors()
+
+
+def test_steps_past_the_jobs_end_are_said_not_recorded(tmp_path):
+    job = start(["-n", "2", "--profile-steps", "500-505", UNEVEN, "even", "--phase", "20"],
+                tmp_path)  # fmt: skip
+    assert job.finish(120) == 0, job.stderr
+    assert re.search(r"--profile-steps 500-505: the job's last step was \d+: nothing recorded",
+                     job.stderr), job.stderr  # fmt: skip
+    assert not job.survivors()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--steps", "0"], "--steps 0 is not 1 to 1000"),
+        (["--at", "0"], "--at 0: steps are numbered from 1"),
+        (["nosuchjob"], "no job 'nosuchjob' on this machine"),
+    ],
+)
+def test_bad_input_is_refused_with_a_fix_and_the_job_goes_on(tmp_path, args, words):
+    job = start(["-n", "2", UNEVEN, "hold", "--phase", "2000", "--io", "0.02"], tmp_path)
+    job.wait_for("hold", timeout=120)
+    done = profile(*args, timeout=60) if args[0] == "nosuchjob" else profile(job.run_id, *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert words in done.stderr, done.stderr
+    assert "fix:" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert job.proc.poll() is None, "the job is untouched"
+    job.proc.terminate()
+    job.finish(60)
+    assert not job.survivors()
+
+
+def test_a_job_without_optimizer_steps_is_said_so(tmp_path):
+    job = start(["-n", "2", str(SCRIPTS / "phases.py"), "training"], tmp_path)
+    job.wait_for("ready", timeout=120)
+    done = profile(job.run_id)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "has timed no optimizer step yet" in done.stderr, done.stderr
+    assert job.proc.poll() is None, "the job is untouched"
+    job.proc.terminate()
+    job.finish(60)
+    assert not job.survivors()
