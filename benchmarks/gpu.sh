@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu.sh stopflag     # what reading s.stop_requested every step costs
 #                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
 #   bash benchmarks/gpu.sh rescue       # what keeping the last completed step costs (issue 38)
+#   bash benchmarks/gpu.sh profile      # ddpkit profile's traces on GPUs, its cost (issue 39)
 #   bash benchmarks/gpu.sh restart      # failure to the restarted job's first step: torchrun,
 #                                       # ddpkit cold, ddpkit with warm spares (issue 38;
 #                                       # RESTART_RUNS=3 RESTART_SLEEP=0.3 s a step)
@@ -25,7 +26,7 @@
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue | restart"}
+MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue | restart | profile"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -161,6 +162,15 @@ rescue)  # issue 38: the step-boundary snapshot against the step, at 1 GPU and a
     fi
   done
   grep -h -A4 "^.*model " "$OUT"/rescue_*.txt | sed 's/^\[rank 0\] //'
+  ;;
+profile)  # issue 39: ddpkit profile on GPUs (CUDA and NCCL kernels in the traces), its cost
+  machine
+  timeout 300 python3 -m pytest -m gpu tests/gpu/test_profile_gpu.py -v -s -p no:cacheprovider \
+    >"$OUT/profile_tests.txt" 2>&1
+  (cd benchmarks && timeout 250 python3 profile_cost.py --device cuda --model gpt --batch 8) \
+    >"$OUT/profile_cost.txt" 2>&1 || echo "FAILED profile_cost"
+  grep -E "recorded on|PASSED|FAILED|passed|failed|Error" "$OUT/profile_tests.txt" | tail -12
+  tail -4 "$OUT/profile_cost.txt"
   ;;
 restart)  # issue 38: a failure to the first step of the restarted job, against torchrun
   machine

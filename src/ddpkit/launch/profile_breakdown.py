@@ -34,7 +34,7 @@ class RankRecording:
     before: list[protocol.Step] = field(default_factory=list)  # as many just before
 
     def total(self, part: str) -> float:
-        return sum(getattr(s, part) for s in self.steps)
+        return float(sum(getattr(s, part) for s in self.steps))
 
 
 def read(folder: Path, state_dirs: dict[int, Path]) -> list[RankRecording]:
