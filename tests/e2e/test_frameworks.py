@@ -1,6 +1,7 @@
 """The frameworks users already train with, unchanged under `ddpkit run` (issue 21): PyTorch
 Lightning's Trainer, Hugging Face's Trainer and an Accelerate script, tiny models built in the
-scripts (no download), 2 gloo ranks. Each trains; a stall inside it is named at the user's line
+scripts (no download), 2 gloo ranks. Each trains (and two of its steps are recorded with
+`--profile-steps`, issue 39); a stall inside it is named at the user's line
 (with the framework's line and the script's line that called into it for the waiting rank);
 a crash names the rank and its exception; nothing is left running.
 
@@ -59,11 +60,14 @@ def run(tmp_path, script: str, extra: tuple[str, ...], launcher=(), script_args=
 
 
 @pytest.mark.parametrize(("script", "extra", "says"), FRAMEWORKS)
-def test_it_trains_on_two_ranks(tmp_path, script, extra, says):
-    job = run(tmp_path, script, extra)
+def test_it_trains_on_two_ranks_and_its_steps_are_profiled(tmp_path, script, extra, says):
+    # the framework's own optimizer steps are the steps: recorded with no change to it
+    job = run(tmp_path, script, extra, ["--profile-steps", "3-4"])
     assert job.finish(200) == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert f"[rank 0] {says}" in job.stdout + job.stderr
     assert "Traceback" not in job.stderr
+    assert "ddpkit: steps 3-4 recorded on 2 rank(s)" in job.stderr, job.stderr[-3000:]
+    assert "  rank 1: " in job.stderr.split("top ops by own time")[1]
     assert not job.survivors()
 
 

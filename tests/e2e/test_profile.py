@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.common import protocol
 from tests.e2e.helpers import SCRIPTS, start
 
 pytestmark = pytest.mark.timeout(240)
@@ -60,8 +61,10 @@ def test_profile_records_the_same_steps_of_every_rank_and_names_the_slowed_one_a
     processes = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert {p.split(":")[0] for p in processes} == {"rank 0", "rank 1", "rank 2"}
     assert (folder / "breakdown.txt").read_text().strip() == said.split("\n", 1)[1].strip()
-    assert job.proc.poll() is None, "the job keeps training"
     assert job.finish(180) == 0, job.stderr
+    trained = protocol.read_steps(tmp_path / "logs" / job.run_id / "state0", 0)
+    plan = summaries[0]["plan"]
+    assert trained.count > plan["first"] + plan["steps"] + 5, "the job kept training after it"
     assert not job.survivors()
 
 
