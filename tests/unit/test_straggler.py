@@ -91,9 +91,10 @@ def test_the_step_ring_gives_what_is_new_and_survives_wrapping(tmp_path):
 
 
 def cpu(r: int, share: float, host: str = "node0", steal: float = 0.0, demand: float | None = None,
-        **parts) -> RankSummary:  # fmt: skip
+        queued: float = 0.0, **parts) -> RankSummary:  # fmt: skip
     s = rank(r, **parts)
     facts = {"cpu_share": share, "cpu_demand": share if demand is None else demand,
+             "cpu_queued": queued,
              "host": {"steal_percent": steal, "cores": 2, "load1": 1.0}}  # fmt: skip
     return RankSummary(s.rank, host, s.steps, s.total, s.data, s.compute, s.comm, s.other,
                        facts=facts)  # fmt: skip
@@ -121,6 +122,14 @@ def test_a_rank_starved_of_cpu_still_computes():
     # a CPU hog on its core: it ran 40% of a core but asked for a whole one (run queue)
     ranks = [cpu(0, 0.6, comm=0.025), cpu(1, 0.4, demand=1.0, compute=0.045, comm=0.010),
              cpu(2, 0.6, comm=0.025)]  # fmt: skip
+    assert find(ranks, 1.2).part == "compute"
+
+
+def test_a_rank_whose_main_thread_waits_on_its_own_starved_threads_still_computes():
+    # behind a hog: its main thread blocks on gloo's thread (asks for little) while that thread
+    # queues for the core (CI: called idle, 58% asked)
+    ranks = [cpu(0, 0.6, comm=0.025), cpu(1, 0.3, demand=0.3, queued=0.6, compute=0.045,
+             comm=0.010), cpu(2, 0.6, comm=0.025)]  # fmt: skip
     assert find(ranks, 1.2).part == "compute"
 
 

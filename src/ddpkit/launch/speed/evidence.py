@@ -75,6 +75,7 @@ class RankFacts(TypedDict, total=False):
     host: HostFacts
     cpu_share: float  # cores the rank's process tree used
     cpu_demand: float  # cores it ran or waited to run on
+    cpu_queued: float  # cores' worth of time its threads, all of them, waited in the run queue
     gpu: GpuFacts
     competitors: list[Competitor]
 
@@ -166,6 +167,7 @@ class Host:
             psutil.cpu_times_percent()
         self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, when)
         self._demand: dict[int, tuple[float, float]] = {}  # pid -> (run + queued s, when)
+        self._queued: dict[int, tuple[float, float]] = {}  # pid -> (all threads' queued s, when)
 
     def facts(self) -> HostFacts:
         out: HostFacts = {"cores": psutil.cpu_count() or 1}
@@ -214,6 +216,27 @@ class Host:
         if before is None or now <= before[1]:
             return None
         return max(0.0, (total - before[0]) / (now - before[1]))
+
+    def cpu_queued(self, pid: int) -> float | None:
+        """Cores' worth of time every thread of the rank waited in the run queue since the last
+        call: a main thread blocked on its own threads (gloo's, doing its all-reduce) asks for
+        little while those threads are starved; a rank that sleeps queues for nothing."""
+        total = 0
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with (
+                    contextlib.suppress(OSError, ValueError, IndexError),
+                    open(f"/proc/{pid}/task/{task}/schedstat") as f,
+                ):
+                    total += int(f.read().split()[1])
+        except OSError:
+            return None
+        now = time.monotonic()
+        before = self._queued.get(pid)
+        self._queued[pid] = (total / 1e9, now)
+        if before is None or now <= before[1]:
+            return None
+        return max(0.0, (total / 1e9 - before[0]) / (now - before[1]))
 
 
 def part_on(cores: set[int], mine: set[int]) -> float:

@@ -151,6 +151,9 @@ class SpeedWatch:
         demand = self.hostinfo.cpu_demand(track.pid)
         if demand is not None:
             facts["cpu_demand"] = demand
+        queued = self.hostinfo.cpu_queued(track.pid)
+        if queued is not None:
+            facts["cpu_queued"] = queued
         if track.gpu:
             facts["gpu"] = self.gpus.facts(track.gpu, job)
         return facts
