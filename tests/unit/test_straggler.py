@@ -133,6 +133,13 @@ def test_a_rank_whose_main_thread_waits_on_its_own_starved_threads_still_compute
     assert find(ranks, 1.2).part == "compute"
 
 
+def test_on_a_loaded_machine_where_every_rank_queues_a_sleeping_rank_still_waits():
+    # CI's 2 cores under other tests: every rank's threads queue; rank 1 sleeps
+    ranks = [cpu(0, 0.1, queued=0.5, comm=0.040), cpu(1, 0.1, queued=0.4, compute=0.070,
+             comm=0.002), cpu(2, 0.1, queued=0.6, comm=0.040)]  # fmt: skip
+    assert find(ranks, 1.2).part == "wait"
+
+
 def test_a_computing_rank_gives_the_factor_of_its_own_time_as_the_end_table_does():
     from ddpkit.launch.speed.verdicts import verdict
 

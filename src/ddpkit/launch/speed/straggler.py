@@ -22,7 +22,7 @@ from ddpkit.launch.speed.evidence import RankFacts
 
 PARTS = ("data", "compute", "host")  # the rank's own time; comm is waiting for the others
 IDLE_SHARE = 0.5  # of the step its 'compute' takes: a CPU rank demanding less of a core waits
-STARVED = 0.25  # cores' worth of its threads' run-queue wait: a rank starved, not idle
+STARVED = 0.25  # cores' worth of run-queue wait beyond the others': a rank starved, not idle
 SUSTAIN = 3  # evaluations in a row that start or end an episode
 MIN_EXCESS = 0.05  # of the median step: the smallest excess called a straggler
 MIN_STEPS = 8  # steps in a rank's window before it is judged
@@ -104,8 +104,11 @@ def idle(me: RankSummary, others: list[RankSummary]) -> bool:
     hold sleeps of its own (a loop that waits on a file each step); from demand, not CPU
     used, so a rank starved by a CPU hog or a loaded machine still computes; as does one whose
     main thread blocks on its own threads while they queue for a core (gloo's, doing its
-    all-reduce, behind a hog: CI saw such a rank called idle)."""
-    if float(me.facts.get("cpu_queued") or 0.0) >= STARVED:
+    all-reduce, behind a hog: CI saw such a rank called idle). Its threads' run-queue wait
+    is compared with the others' too: on a loaded machine every rank's threads queue."""
+    queued = me.facts.get("cpu_queued")
+    queues = [float(q) for o in others if (q := o.facts.get("cpu_queued")) is not None]
+    if queued is not None and queues and float(queued) - statistics.median(queues) >= STARVED:
         return False
     demand = me.facts.get("cpu_demand")
     theirs = [float(d) for o in others if (d := o.facts.get("cpu_demand")) is not None]
