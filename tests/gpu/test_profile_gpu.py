@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.e2e.helpers import start
+from tests.gpu.test_speed_gpu import TRAIN  # trains for argv[1] seconds
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -18,26 +19,11 @@ pytestmark = [
 ]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-TRAIN = """import torch
-from torch import nn
-import ddpkit
-with ddpkit.setup(seed=0) as s:
-    model = s.wrap(nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randn(256, 4096, device=s.device)
-    for _ in range(40):
-        loss = model(x).float().pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    s.print(f"done {loss.item():.4f}")
-"""
-
 
 def test_profile_steps_on_gpus_records_cuda_and_nccl_kernels(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    job = start(["-n", "gpu", "--profile-steps", "10-14", str(script)], tmp_path)
+    job = start(["-n", "gpu", "--profile-steps", "10-14", str(script), "4"], tmp_path)
     assert job.finish(240) == 0, job.stderr
     assert f"steps 10-14 recorded on {GPUS} rank(s)" in job.stderr, job.stderr
     assert "(GPU time, share of the steps)" in job.stderr
