@@ -197,9 +197,19 @@ def job_workers(job: str | None, command: str) -> tuple[str, list[TrainingProces
             fix=f"name one: `ddpkit {command} JOB` (see `ddpkit ps`)",
         )
     mine = [p for p in workers if p.job == job]
+    # several nodes' ranks seen from one kernel (containers, network namespaces): this node's
+    mine = [p for p in mine if _same_network(p.pid)] or mine
     if not mine:
         raise ConfigError(f"no job {job!r} on this machine", fix="see `ddpkit ps` for jobs")
     return job, mine
+
+
+def _same_network(pid: int) -> bool:
+    """Whether the process shares this one's network namespace (True when it cannot be told)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return True
 
 
 def _is_job_member(pid: int, job: str) -> bool:

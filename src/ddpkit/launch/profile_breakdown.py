@@ -48,10 +48,15 @@ def read(folder: Path, state_dirs: dict[int, Path]) -> list[RankRecording]:
         first, last = plan["first"], plan["first"] + plan["steps"]
         state_dir = state_dirs.get(rank)
         record = protocol.read_steps(state_dir, rank) if state_dir else None
-        if record is not None:
-            recording.steps = [s for s in record.steps if first < s.number <= last]
-            span = last - first
-            recording.before = [s for s in record.steps if first - span < s.number <= first]
+        # another node's rank: its launcher sent the steps with the summary
+        steps = (
+            record.steps
+            if record is not None
+            else [protocol.Step(*row) for row in summary.get("timed_steps", [])]
+        )
+        recording.steps = [s for s in steps if first < s.number <= last]
+        span = last - first
+        recording.before = [s for s in steps if first - span < s.number <= first]
         found.append(recording)
     return found
 
@@ -87,6 +92,9 @@ def text(recordings: list[RankRecording], folder: Path, merged: Path | None) -> 
     if all(r.summary.get("ended_early") and not r.summary.get("recorded") for r in recordings):
         return f"the job ended before step {first + 1} ended: steps {first}-{last} not recorded"
     lines = [f"steps {first}-{last} recorded on {len(recordings)} rank(s); traces in {folder}"]
+    for path in sorted(folder.glob("node*.done.json")):  # other nodes' (peers.profile_relay)
+        node, other = path.name[4:].split(".")[0], json.loads(path.read_text())
+        lines.append(f"node {node} ({other['host']}) keeps its ranks' traces: {other['folder']}")
     lines.append(
         f"{'rank':>4}  {'step ms':>8}  {'compute':>7}  {'data':>5}  {'comm waited':>11}  "
         f"{'comm overlapped':>15}  {'host/idle':>9}"
@@ -133,8 +141,9 @@ def text(recordings: list[RankRecording], folder: Path, merged: Path | None) -> 
         if r.summary.get("trace_error"):
             lines.append(f"rank {r.rank} could not write its trace: {r.summary['trace_error']}")
     if merged is not None:
+        whose = "this node's ranks" if any(folder.glob("node*.done.json")) else "every rank"
         lines.append(
-            f"every rank on one timeline: {merged} (open it in ui.perfetto.dev or chrome://tracing;"
+            f"{whose} on one timeline: {merged} (open it in ui.perfetto.dev or chrome://tracing;"
             " each rank's own trace also opens in TensorBoard's profiler)"
         )
     return "\n".join(lines)

@@ -56,7 +56,7 @@ from ddpkit.launch.hang import places
 from ddpkit.launch.hang.progress_watch import HangWatch
 from ddpkit.launch.lifecycle import Events, Phase, State
 from ddpkit.launch.output import CONSOLE
-from ddpkit.launch.peers import crossnode
+from ddpkit.launch.peers import crossnode, profile_relay
 from ddpkit.launch.peers.liveness import Abort
 from ddpkit.launch.peers.nodes import NodeGroup, join
 from ddpkit.launch.peers.peers import Peers, peers_of
@@ -298,6 +298,8 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
         while running.hangs.notes:
             _say(running.hangs.notes.pop(0))
         _say_profile(job, running, at_end=False)
+        pids = {w.rank: w.proc.pid for w in running.workers}
+        profile_relay.take(job.run_dir, job.node, running.scene.peers, running.state_dir, pids)
         running.speed.sample(snap)
         while running.speed.notes:
             _say(running.speed.notes.pop(0))

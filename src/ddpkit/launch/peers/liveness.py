@@ -10,7 +10,8 @@ has lost node 0 and says so in the same words. Every call is bounded (`ddpkit.la
 
 The same thread carries the cross-node hang watch's traffic: each node adds to its `progress`
 counter when one of its ranks progressed; node 0 knows when any node last did, and asks every
-node where its ranks are (`hang/ask`) before it calls the job hung.
+node where its ranks are (`hang/ask`) before it calls the job hung. And `ddpkit profile`'s
+plan: every node reads the newest one (`profile/ask`) each beat and hands it to its launcher.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class Liveness:
         # copy of every other node's
         self.speed_out: str | None = None
         self.speed_in: dict[int, str] = {}
+        # `ddpkit profile`'s plans (JSON) published by any node, newest last, for the launcher
+        self.profile_asks: list[str] = []
+        self._profile_seen: str | None = None
 
     def start(self) -> None:
         # an elastic job of one node so far still watches for nodes that want to join
@@ -148,6 +152,8 @@ class Liveness:
                     self.speed_out = None
                 elif not self.hang_asked and store.has(keys.HANG_ASK):
                     self.hang_asked = True
+                if store.has(keys.PROFILE_ASK):
+                    self._read_profile_ask(store)
                 if self.abort is None and store.has(keys.ABORT):
                     self.abort = Abort.from_json(store.get(keys.ABORT))
                     if self.abort is None and not self._said_forged:
@@ -222,6 +228,12 @@ class Liveness:
         present = [n for n in names if store.has(n)]
         for name in present:
             self.speed_in[int(name.split("/")[1])] = store.get(name)
+
+    def _read_profile_ask(self, store: BoundedStore) -> None:
+        text = store.get(keys.PROFILE_ASK)
+        if text != self._profile_seen:
+            self._profile_seen = text
+            self.profile_asks.append(text)
 
     def _watch_membership(self, store: BoundedStore) -> None:
         """Node 0, elastic jobs: nodes waiting at the rendezvous mean a new round for all, as

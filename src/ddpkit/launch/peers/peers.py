@@ -37,6 +37,7 @@ class Peers(Protocol):
     ) -> tuple[Places, dict[int, str] | None, str]: ...
     def send_speed(self, summaries: str) -> None: ...
     def speed_from_others(self) -> list[str]: ...
+    def profile_asked(self) -> str | None: ...  # a `ddpkit profile` plan (JSON), once each
     def leave(self, seconds: float, hurry: bool) -> None: ...
     def finish(self) -> None: ...
     def debug_line(self) -> str: ...
@@ -85,6 +86,9 @@ class NoPeers:
 
     def speed_from_others(self) -> list[str]:
         return []
+
+    def profile_asked(self) -> str | None:
+        return None
 
     def leave(self, seconds: float, hurry: bool) -> None:
         pass
@@ -158,6 +162,9 @@ class NodePeers:
 
     def speed_from_others(self) -> list[str]:
         return list(self.live.speed_in.values())
+
+    def profile_asked(self) -> str | None:
+        return self.live.profile_asks.pop(0) if self.live.profile_asks else None
 
     def leave(self, seconds: float, hurry: bool) -> None:
         crossnode.leave(self.node, self.live, seconds, hurry=hurry)

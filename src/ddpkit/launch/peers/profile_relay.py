@@ -1,0 +1,144 @@
+"""`ddpkit profile` across nodes: the command runs on one node and records every node's ranks.
+
+The command arms its own node's ranks and hands the plan to its launcher (ASK_FILE in the run
+folder). That launcher puts it in the job's store (`profile/ask`); every other node's launcher
+reads it at its next beat (ddpkit.launch.peers.liveness), arms its own ranks with it (their
+traces go into its own run folder, under the same folder name) and puts back their answers and,
+at the end, their summaries and timed steps. The first launcher writes those into the
+recording's folder (`node<N>.armed.json`, `rank<R>.summary.json`, `node<N>.done.json`), where
+the command reads them as it reads its own ranks'.
+
+Each side runs in a thread of its own with its own bounded store client: the launcher's loop
+never waits on another node. A node that does not answer is named by the command."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import astuple
+from pathlib import Path
+
+from ddpkit.common import protocol
+from ddpkit.launch import profile_ask
+from ddpkit.launch.peers import keys
+from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
+from ddpkit.launch.peers.peers import Peers
+from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError
+from ddpkit.launch.profile_ask import Answer, armed_file, done_file
+
+ASK_FILE = "profile-ask.json"  # in the run folder: the command's plan for the other nodes
+POLL = 0.25
+log = logging.getLogger(__name__)
+
+
+def take(
+    run_dir: Path, node: NodeGroup, peers: Peers, state_dir: Path, pids: dict[int, int]
+) -> None:
+    """The launcher's part, at each look: pass this node's command's plan on; arm this node's
+    ranks with another node's."""
+    ask = run_dir / ASK_FILE
+    if ask.exists():
+        with contextlib.suppress(OSError, ValueError):
+            plan = json.loads(ask.read_text())
+            ask.unlink()
+            if node.multi_node and node.store is not None:
+                _thread(_spread, node, plan)
+    text = peers.profile_asked()
+    if text is not None:
+        with contextlib.suppress(ValueError):
+            plan = json.loads(text)
+            if plan.get("origin") != node.group_rank:
+                _thread(_answer, node, plan, run_dir, state_dir, dict(pids))
+
+
+def _thread(target: Callable[..., None], *args: object) -> None:
+    threading.Thread(target=target, args=args, daemon=True, name="ddpkit-profile").start()
+
+
+def _client(node: NodeGroup) -> BoundedStore:
+    assert node.store is not None
+    return BoundedStore(node.store_addr, node.master_port, CALL_LIMIT, node.store.prefix)
+
+
+def _deadline(plan: Answer) -> float:
+    return time.monotonic() + float(plan.get("timeout", 600)) + 30
+
+
+def _spread(node: NodeGroup, plan: Answer) -> None:
+    """The command's node: publish the plan; copy every other node's answers into the folder."""
+    folder = Path(plan["folder"])
+    store = _client(node)
+    armed = {n for n in range(node.nnodes) if n != node.group_rank}
+    done = set(armed)
+    try:
+        store.set(keys.PROFILE_ASK, json.dumps(plan))
+        deadline = _deadline(plan)
+        while (armed or done) and time.monotonic() < deadline:
+            for n in sorted(armed):
+                if store.has(keys.profile_armed(plan["id"], n)):
+                    _write(armed_file(folder, n), store.get(keys.profile_armed(plan["id"], n)))
+                    armed.discard(n)
+            for n in sorted(done - armed):
+                if store.has(keys.profile_done(plan["id"], n)):
+                    record = json.loads(store.get(keys.profile_done(plan["id"], n)))
+                    for rank, summary in record.pop("summaries").items():
+                        _write(folder / f"rank{rank}.summary.json", json.dumps(summary))
+                    _write(done_file(folder, n), json.dumps(record))
+                    done.discard(n)
+            time.sleep(POLL)
+    except StoreUnreachableError as err:
+        log.debug("profile %s: the store went away (%s)", plan["id"], err)
+    finally:
+        store.close()
+
+
+def _answer(
+    node: NodeGroup, plan: Answer, run_dir: Path, state_dir: Path, pids: dict[int, int]
+) -> None:
+    """Another node's plan: arm this node's ranks, say how that went, then send their summaries."""
+    relayed = ("origin", "timeout")  # for the launchers, not the ranks
+    mine = {k: v for k, v in plan.items() if k not in relayed}
+    mine["folder"] = str(run_dir / Path(plan["folder"]).name)
+    state_dirs = dict.fromkeys(pids, state_dir)
+    me = node.group_rank
+    store = _client(node)
+    try:
+        answers = profile_ask.arm(mine, state_dirs, pids)
+        armed = {"host": node.host, "answers": {str(r): a for r, a in answers.items()}}
+        store.set(keys.profile_armed(plan["id"], me), json.dumps(armed))
+        deadline = _deadline(plan)
+        seen = profile_ask.look(plan["id"], state_dirs, pids)
+        while seen.pending and time.monotonic() < deadline:
+            time.sleep(POLL)
+            seen = profile_ask.look(plan["id"], state_dirs, pids)
+        summaries = {str(r): _with_steps(s, state_dir, r) for r, s in seen.done.items()}
+        record: Answer = {"host": node.host, "folder": mine["folder"], "summaries": summaries,
+                  "ended": seen.ended, "pending": seen.pending}  # fmt: skip
+        store.set(keys.profile_done(plan["id"], me), json.dumps(record))
+    except StoreUnreachableError as err:
+        log.debug("profile %s: the store went away (%s)", plan["id"], err)
+    finally:
+        store.close()
+
+
+def _with_steps(summary: Answer, state_dir: Path, rank: int) -> Answer:
+    """The summary with the rank's timed steps of the recording and as many before it (the
+    breakdown's parts; the command cannot read another node's step records)."""
+    first, count = summary["plan"]["first"], summary["plan"]["steps"]
+    record = protocol.read_steps(state_dir, rank, since=0)
+    rows = []
+    if record is not None:
+        rows = [list(astuple(s)) for s in record.steps
+                if first - count < s.number <= first + count]  # fmt: skip
+    return {**summary, "timed_steps": rows}
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
