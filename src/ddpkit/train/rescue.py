@@ -242,10 +242,10 @@ def _quick() -> Any:
 
 def _same_streams(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether no stream moved between two takes (a QuickRng hands back the same object for
-    Python's and numpy's streams when they did not move)."""
+    Python's, numpy's and torch's CPU streams when they did not move)."""
     if a["python"] is not b["python"] or a.get("numpy") is not b.get("numpy"):
         return False
-    if not torch.equal(a["torch"], b["torch"]):
+    if a["torch"] is not b["torch"]:
         return False
     cuda_a, cuda_b = a.get("cuda", []), b.get("cuda", [])
     return len(cuda_a) == len(cuda_b) and all(map(torch.equal, cuda_a, cuda_b))
@@ -282,11 +282,21 @@ def _snapshot(plan: list[tuple[str, str, Any]]) -> dict[str, Any]:
 
 
 def _copy(value: Any) -> Any:
-    """A deep copy; pickle's round trip is twice as fast as copy.deepcopy on state dicts."""
+    """A copy to keep: the pickled bytes (half of pickle's round trip, the hot half; `_kept_value`
+    loads them at a rescue), or where pickle refuses (a lambda in a dict) copy's own deep copy."""
     try:
-        return pickle.loads(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))  # noqa: S301 (ours)
-    except Exception:  # something pickle refuses (a lambda in a dict): copy's own way
+        return _Pickled(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+    except Exception:
         return copy.deepcopy(value)
+
+
+@dataclass(frozen=True)
+class _Pickled:
+    data: bytes
+
+
+def _kept_value(value: Any) -> Any:
+    return pickle.loads(value.data) if isinstance(value, _Pickled) else value  # noqa: S301 (ours)
 
 
 @dataclass
@@ -420,7 +430,7 @@ def _write(kept: Kept) -> tuple[str, bool]:
         if state.kind_of(name_, obj) != "stateful":
             continue
         if name_ in snap["small"]:
-            stateful[name_] = snap["small"][name_]
+            stateful[name_] = _kept_value(snap["small"][name_])
             continue
         live = state.unwrapped(obj).state_dict()
         if name_ in snap["buffers"]:  # the buffers as they stood at the boundary
@@ -432,7 +442,7 @@ def _write(kept: Kept) -> tuple[str, bool]:
         "time": time.time(),
         "stateful": stateful,
         "sharded": [],
-        "dicts": snap["dicts"],
+        "dicts": {n: _kept_value(d) for n, d in snap["dicts"].items()},
         "rescued": {"by": place.rank, "boundary": kept.boundaries},
         "steps": snap["steps"],
     }
