@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -102,7 +103,8 @@ def test_steps_past_the_jobs_end_are_said_not_recorded(tmp_path):
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--steps", "0"], "--steps 0 is not 1 to 1000"),
+        (["--steps", "0"], "--steps 0 is not 1 to 100"),
+        (["--steps", "500"], "--steps 500 is not 1 to 100 (every op of every recorded step"),
         (["--at", "0"], "--at 0: steps are numbered from 1"),
         (["nosuchjob"], "no job 'nosuchjob' on this machine"),
     ],
@@ -128,6 +130,47 @@ def test_a_job_without_optimizer_steps_is_said_so(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "has timed no optimizer step yet" in done.stderr, done.stderr
     assert job.proc.poll() is None, "the job is untouched"
+    job.proc.terminate()
+    job.finish(60)
+    assert not job.survivors()
+
+
+def test_ctrl_c_cuts_the_recording_at_the_next_step_and_the_job_goes_on(tmp_path):
+    job = start(["-n", "2", UNEVEN, "even", "--phase", "100000", "--io", "0.05"], tmp_path)
+    state = tmp_path / "logs" / job.run_id / "state0"
+    deadline = time.monotonic() + 120
+    while (protocol.read_steps(state, 0) or protocol.read_steps(state, 1)) is None or (
+        protocol.read_steps(state, 0).count < 5
+    ):
+        assert time.monotonic() < deadline, job.stderr
+        time.sleep(0.2)
+    asked = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "profile", job.run_id, "--steps", "100"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = None
+    while first is None or protocol.read_steps(state, 0).count < first + 5:
+        assert asked.poll() is None, asked.communicate()
+        assert time.monotonic() < deadline + 60
+        if first is None and (state / "rank0.profiling").exists():
+            first = protocol.read_steps(state, 0).count
+        time.sleep(0.1)
+    asked.send_signal(signal.SIGINT)  # as Ctrl+C in the terminal
+    out, err = asked.communicate(timeout=30)
+    assert asked.returncode == 130, out + err
+    said = r"stopped \(Ctrl\+C\) at step (\d+): the ranks stop recording at step (\d+)"
+    assert re.search(said, out), out + err
+    (folder,) = (tmp_path / "logs" / job.run_id).glob("profile-*")
+    summaries = []
+    while len(summaries) < 2:
+        assert time.monotonic() < deadline + 120, job.stderr
+        summaries = [json.loads(p.read_text()) for p in folder.glob("rank*.summary.json")]
+        time.sleep(0.2)
+    for summary in summaries:
+        assert 5 <= summary["recorded"] < 100, summary  # cut, not the 100 asked for
+        assert not summary["ended_early"]
+    assert not (state / "rank0.profiling").exists(), "the memory watch's mark is gone"
+    assert job.proc.poll() is None, "the job goes on"
     job.proc.terminate()
     job.finish(60)
     assert not job.survivors()

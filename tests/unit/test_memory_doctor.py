@@ -157,6 +157,25 @@ def test_a_rank_whose_memory_grows_every_step_is_said_once_with_its_rate():
     )
 
 
+def test_memory_a_recording_profiler_holds_is_no_leak():
+    # `ddpkit profile`: the resident memory grows with every recorded step's events, then
+    # stays where the allocator left it
+    watch = MemoryWatch()
+    rss = GIB
+    for second in range(60):
+        recording = 10 <= second < 40
+        rss += 8 * 2**20 if recording else 0
+        watch.take(0, second * 20, None, rss, profiling=recording)
+    assert watch.notes == []
+    unmarked = MemoryWatch()  # the same samples without the mark: the rule would say a leak
+    rss = GIB
+    for second in range(60):
+        rss += 8 * 2**20 if 10 <= second < 40 else 0
+        unmarked.take(0, second * 20, None, rss)
+    assert len(unmarked.notes) == 1
+    assert "grows" in unmarked.notes[0]
+
+
 def test_a_steady_rank_and_noise_are_no_leak():
     watch = MemoryWatch()
     for second in range(40):

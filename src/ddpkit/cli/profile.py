@@ -46,8 +46,13 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.errors import ConfigError, LaunchError
     from ddpkit.launch import profile_ask, profile_breakdown
 
-    if not 1 <= args.steps <= 1000:
-        raise ConfigError(f"--steps {args.steps} is not 1 to 1000", fix="e.g. --steps 5")
+    most = protocol.MOST_PROFILE_STEPS
+    if not 1 <= args.steps <= most:
+        raise ConfigError(
+            f"--steps {args.steps} is not 1 to {most} (every op of every recorded step is held "
+            "in the ranks' memory until the last one)",
+            fix="e.g. --steps 5; to follow a job longer, record a few steps at a time",
+        )
     if args.at is not None and args.at < 1:
         raise ConfigError(f"--at {args.at}: steps are numbered from 1", fix="e.g. --at 100")
     job, mine = job_workers(args.job, "profile")
@@ -103,7 +108,21 @@ def run(args: argparse.Namespace) -> int:
         f"{len(answers)} rank(s){nodes.words()} (now at step {max(counts.values())})",
         flush=True,
     )
-    _wait_done(plan_id, state_dirs, pids, args.timeout, first, folder, nodes)
+    try:
+        _wait_done(plan_id, state_dirs, pids, args.timeout, first, folder, nodes)
+    except KeyboardInterrupt:  # Ctrl+C: the recording ends at the ranks' next step
+        now = max(_step_counts(state_dirs).values(), default=first)
+        cut = {**plan, "steps": max(0, now + 1 - first)}
+        if nodes.others:
+            _hand_to_launcher(run_dir, {**cut, "origin": nodes.me, "timeout": args.timeout})
+        profile_ask.arm(cut, state_dirs, pids)
+        outcome = (
+            f"the ranks stop recording at step {now + 1} and write what they recorded into {folder}"
+            if now >= first
+            else "nothing was recorded"
+        )
+        print(f"\nddpkit: stopped (Ctrl+C) at step {now}: {outcome}; the job goes on", flush=True)
+        return 130
     merged = profile_breakdown.merge(folder)
     recordings = profile_breakdown.read(folder, state_dirs)
     report = profile_breakdown.text(recordings, folder, merged)

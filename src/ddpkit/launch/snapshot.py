@@ -43,6 +43,7 @@ class RankView:
     ended_wall: float = 0.0  # wall time it exited (its error's time for a stuck rank)
     stopped: bool = False  # ended by the launcher's teardown
     rss: int = 0  # bytes its process tree held at the last sample
+    profiling: bool = False  # its profiler recorded at the last sample (its memory grows)
     cpu: float = -1.0  # CPU seconds its process tree used so far (-1: not sampled this look)
     io: int = -1  # bytes its process tree read and wrote so far (-1: not sampled this look)
     phase: str = "starting"  # starting, started, init, ready, ... (protocol.write_phase)
@@ -117,6 +118,7 @@ class Reader:
         self._steps_read: dict[int, int] = {}
         self._next_steps = self._next_usage = 0.0
         self._rss: dict[int, int] = {}
+        self._profiling: dict[int, bool] = {}
         self._paths: dict[tuple[int, str], str] = {}
 
     def look(
@@ -175,6 +177,7 @@ class Reader:
         if usage and exit_code is None:
             cpu, io, rss = tree_usage(pid)
             self._rss[rank] = rss or self._rss.get(rank, 0)
+            self._profiling[rank] = os.path.exists(self._path(rank, protocol.PROFILING))
         return RankView(
             rank=rank,
             pid=pid,
@@ -182,6 +185,7 @@ class Reader:
             ended_wall=ended_wall,
             stopped=stopped,
             rss=self._rss.get(rank, 0),
+            profiling=self._profiling.get(rank, False),
             cpu=cpu,
             io=io,
             phase=phase,

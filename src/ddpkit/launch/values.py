@@ -8,6 +8,7 @@ import os
 import re
 from typing import Any
 
+from ddpkit.common import protocol
 from ddpkit.errors import ConfigError
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -82,7 +83,8 @@ def run_id(text: str) -> str:
 
 
 def step_range(text: str) -> tuple[int, int]:
-    """'20-25' (or '20', one step) as (20, 25): steps numbered from 1, at most 1000 of them."""
+    """'20-25' (or '20', one step) as (20, 25): steps numbered from 1, at most
+    protocol.MOST_PROFILE_STEPS of them."""
     first, _, last = str(text).strip().partition("-")
     try:
         a, b = int(first), int(last or first)
@@ -90,9 +92,10 @@ def step_range(text: str) -> tuple[int, int]:
         raise ConfigError(
             f"--profile-steps {text!r} is not a range of steps", fix="e.g. --profile-steps 20-25"
         ) from None
-    if not 1 <= a <= b or b - a >= 1000:
+    most = protocol.MOST_PROFILE_STEPS
+    if not 1 <= a <= b or b - a >= most:
         raise ConfigError(
-            f"--profile-steps {text!r}: steps are numbered from 1, first to last, at most 1000",
+            f"--profile-steps {text!r}: steps are numbered from 1, first to last, at most {most}",
             fix="e.g. --profile-steps 20-25",
         )
     return a, b

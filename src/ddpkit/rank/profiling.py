@@ -81,6 +81,13 @@ def _on_request(state_dir: str, rank: str) -> bytes:
         asked = Plan(**json.loads(raw))
     except (OSError, TypeError, ValueError) as err:
         return json.dumps({"armed": False, "now": now, "why": f"no plan: {err}"}).encode()
+    armed = plan
+    if armed is not None and armed.id == asked.id:  # the command was stopped: cut the plan
+        if _profiler is None:  # not begun: nothing is recorded
+            _disarm()
+            return json.dumps({"armed": False, "now": now, "why": "cancelled"}).encode()
+        _arm(asked)  # the hook ends the recording at the end of the new last step, or the next
+        return json.dumps({"armed": True, "now": now, "cut": True}).encode()
     if _profiler is not None:
         return json.dumps({"armed": False, "now": now, "why": "already recording"}).encode()
     if now >= asked.first:
@@ -124,6 +131,7 @@ def _start(armed: Plan, on_gpu: bool) -> None:
     )
     _profiler.start()
     _began, _recorded = time.perf_counter(), 0
+    _mark(True)
     atexit.register(_at_exit)
 
 
@@ -153,6 +161,22 @@ def _finish(armed: Plan, ended_early: bool) -> None:
     facts.update(summarise(profiler))
     facts["export_s"] = time.perf_counter() - began
     _write_summary(armed, facts)
+    _mark(False)  # after the export too: it holds more memory still
+
+
+def _mark(recording: bool) -> None:
+    """The launcher's memory watch reads this: the profiler's events are no leak."""
+    state_dir = os.environ.get(protocol.STATE_DIR)
+    if not state_dir:
+        return
+    path = protocol.state_path(state_dir, os.environ.get("RANK", "0"), protocol.PROFILING)
+    try:
+        if recording:
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _disarm() -> None:

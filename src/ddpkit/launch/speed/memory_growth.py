@@ -45,10 +45,21 @@ class MemoryWatch:
         self.notes: list[str] = []
         self.said_standout = False
 
-    def take(self, rank: int, steps: int, gpu: tuple[int, int, int] | None, rss: int) -> None:
+    def take(
+        self,
+        rank: int,
+        steps: int,
+        gpu: tuple[int, int, int] | None,
+        rss: int,
+        profiling: bool = False,
+    ) -> None:
         """One sample of a rank: its step count and its memory (GPU figures, or None on the
-        CPU, where the process tree's resident bytes count)."""
+        CPU, where the process tree's resident bytes count). While its profiler records
+        (`ddpkit profile`), the memory it holds for its events is no leak: the growth is judged
+        on the samples after the recording."""
         mine = self.ranks.setdefault(rank, RankMemory())
+        if profiling:
+            mine.series.clear()
         if gpu is not None and any(gpu):
             allocated, peak, reserved = gpu
             mine.gpu = True
@@ -56,6 +67,8 @@ class MemoryWatch:
         elif rss:
             mine.now, mine.peak = rss, max(mine.peak, rss)
         else:
+            return
+        if profiling:
             return
         if not mine.series or mine.series[-1][0] != steps:
             mine.series.append((steps, mine.now))

@@ -138,7 +138,7 @@ class SpeedWatch:
             track.take(record.steps)
             track.read = record.count
             memory = record.memory if record.gpu else None
-            self.memory.take(view.rank, record.count, memory, view.rss)
+            self.memory.take(view.rank, record.count, memory, view.rss, view.profiling)
         self.memory.look()
         self.notes.extend(self.memory.notes)
         self.memory.notes.clear()
