@@ -18,6 +18,8 @@
 #                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
 #   bash benchmarks/gpu.sh rescue       # what keeping the last completed step costs (issue 38)
 #   bash benchmarks/gpu.sh profile      # ddpkit profile's traces on GPUs, its cost (issue 39)
+#   bash benchmarks/gpu.sh owed         # a short lease: the GPU tests but the hang file, then
+#                                       # restart and rescue's figures, bounded (~9 minutes)
 #   bash benchmarks/gpu.sh restart      # failure to the restarted job's first step: torchrun,
 #                                       # ddpkit cold, ddpkit with warm spares (issue 38;
 #                                       # RESTART_RUNS=3 RESTART_SLEEP=0.3 s a step)
@@ -26,7 +28,7 @@
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue | restart | profile"}
+MODE=${1:?"mode: tests | owed | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue | restart | profile"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -179,6 +181,23 @@ restart)  # issue 38: a failure to the first step of the restarted job, against 
     --runs "${RESTART_RUNS:-3}" --sleep "${RESTART_SLEEP:-0.3}" --keep "$OUT/restart_runs" >"$OUT/restart_cost.txt" 2>&1 || echo "FAILED restart_cost"
   tar czf "$OUT/restart_runs.tgz" -C "$OUT" restart_runs && rm -r "$OUT/restart_runs"
   tail -6 "$OUT/restart_cost.txt"
+  ;;
+owed)  # one call for a short lease: the GPU tests but the hang file (its path is CPU-tested and
+  # unchanged), then the restart and the snapshot figures of issue 38, each bounded
+  machine
+  timeout 360 python3 -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_gpu_hang.py -v -s \
+    -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1
+  if [ "$N" -ge 2 ]; then ranks=2 fail=1; else ranks=1 fail=0; fi
+  timeout 140 python3 benchmarks/restart_cost.py --ranks "$ranks" --fail-rank "$fail" --runs 2 \
+    --sleep 0.3 >"$OUT/restart_cost.txt" 2>&1 || echo "FAILED restart_cost"
+  for run in gpt:8; do
+    set -- ${run/:/ }
+    timeout 55 python3 -m ddpkit run -n 1 benchmarks/rescue_snapshot_cost.py --model "$1" \
+      --batch "$2" --blocks 6 >"$OUT/rescue_$1_b$2.txt" 2>&1
+  done
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|recorded on" "$OUT/gpu_tests.txt" | tail -45
+  tail -6 "$OUT/restart_cost.txt"
+  grep -h -A4 "^.*model " "$OUT"/rescue_*.txt | sed 's/^\[rank 0\] //'
   ;;
 *)
   echo "unknown mode $MODE" >&2
