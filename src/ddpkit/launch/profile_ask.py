@@ -17,11 +17,11 @@ from ddpkit.common import protocol
 from ddpkit.launch import asking
 from ddpkit.launch.wait import Wait
 
-Answer = dict[str, Any]  # a rank's answer to a plan, or its summary (JSON)
+JsonDict = dict[str, Any]  # a plan, a rank's answer to one, or its summary (JSON)
 ARM_WITHIN = 3.0  # seconds for every rank to answer the plan (they poll every 0.2 s)
 
 
-def arm(plan: Answer, state_dirs: dict[int, Path], pids: dict[int, int]) -> dict[int, Answer]:
+def arm(plan: JsonDict, state_dirs: dict[int, Path], pids: dict[int, int]) -> dict[int, JsonDict]:
     """Hand every rank the plan and ask it to arm: rank -> its answer ({"armed": bool, "why"})."""
     for rank, state_dir in state_dirs.items():
         path = protocol.state_path(state_dir, rank, protocol.PROFILE_PLAN)
@@ -29,7 +29,7 @@ def arm(plan: Answer, state_dirs: dict[int, Path], pids: dict[int, int]) -> dict
         tmp.write_text(json.dumps(plan))
         tmp.replace(path)
     question = asking.Question(protocol.PROFILE_ARMED, protocol.PROFILE_REQUEST)
-    answers: dict[int, Answer] = {}
+    answers: dict[int, JsonDict] = {}
     for state_dir in set(state_dirs.values()):
         ranks = {r: pids[r] for r, d in state_dirs.items() if d == state_dir}
         answers.update(asking.collect(question, state_dir, ranks, Wait(), ARM_WITHIN, json.loads))
@@ -50,7 +50,7 @@ def done_file(folder: Path, node: int) -> Path:
 class Progress:
     """Where the recording of one plan stands on this node, at one look."""
 
-    done: dict[int, Answer] = field(default_factory=dict)  # rank -> its summary
+    done: dict[int, JsonDict] = field(default_factory=dict)  # rank -> its summary
     pending: list[int] = field(default_factory=list)  # still recording (or not yet begun)
     ended: list[int] = field(default_factory=list)  # ended without a summary
 

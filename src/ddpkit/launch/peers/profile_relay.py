@@ -28,7 +28,7 @@ from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.peers import Peers
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError
-from ddpkit.launch.profile_ask import Answer, armed_file, done_file
+from ddpkit.launch.profile_ask import JsonDict, armed_file, done_file
 
 ASK_FILE = "profile-ask.json"  # in the run folder: the command's plan for the other nodes
 POLL = 0.25
@@ -64,11 +64,11 @@ def _client(node: NodeGroup) -> BoundedStore:
     return BoundedStore(node.store_addr, node.master_port, CALL_LIMIT, node.store.prefix)
 
 
-def _deadline(plan: Answer) -> float:
+def _deadline(plan: JsonDict) -> float:
     return time.monotonic() + float(plan.get("timeout", 600)) + 30
 
 
-def _spread(node: NodeGroup, plan: Answer) -> None:
+def _spread(node: NodeGroup, plan: JsonDict) -> None:
     """The command's node: publish the plan; copy every other node's answers into the folder."""
     folder = Path(plan["folder"])
     store = _client(node)
@@ -97,7 +97,7 @@ def _spread(node: NodeGroup, plan: Answer) -> None:
 
 
 def _answer(
-    node: NodeGroup, plan: Answer, run_dir: Path, state_dir: Path, pids: dict[int, int]
+    node: NodeGroup, plan: JsonDict, run_dir: Path, state_dir: Path, pids: dict[int, int]
 ) -> None:
     """Another node's plan: arm this node's ranks, say how that went, then send their summaries."""
     relayed = ("origin", "timeout")  # for the launchers, not the ranks
@@ -116,7 +116,7 @@ def _answer(
             time.sleep(POLL)
             seen = profile_ask.look(plan["id"], state_dirs, pids)
         summaries = {str(r): _with_steps(s, state_dir, r) for r, s in seen.done.items()}
-        record: Answer = {"host": node.host, "folder": mine["folder"], "summaries": summaries,
+        record: JsonDict = {"host": node.host, "folder": mine["folder"], "summaries": summaries,
                   "ended": seen.ended, "pending": seen.pending}  # fmt: skip
         store.set(keys.profile_done(plan["id"], me), json.dumps(record))
     except StoreUnreachableError as err:
@@ -125,7 +125,7 @@ def _answer(
         store.close()
 
 
-def _with_steps(summary: Answer, state_dir: Path, rank: int) -> Answer:
+def _with_steps(summary: JsonDict, state_dir: Path, rank: int) -> JsonDict:
     """The summary with the rank's timed steps of the recording and as many before it (the
     breakdown's parts; the command cannot read another node's step records)."""
     first, count = summary["plan"]["first"], summary["plan"]["steps"]
