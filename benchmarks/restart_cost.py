@@ -75,6 +75,8 @@ def main() -> None:
         for _ in range(args.runs):
             for how in hows:
                 results.setdefault((how, ranks), []).append(one(how, ranks))
+                took, again = results[(how, ranks)][-1]  # as it comes: a cut-short lease keeps it
+                print(f"run: {ranks} ranks, {how}: {took:.2f} s, {again} steps again", flush=True)
                 time.sleep(0.5)
     print(f"failure to the restarted job's first step (median of {args.runs}; rank "
           f"{args.fail_rank} raises at "
