@@ -160,11 +160,11 @@ def test_ctrl_c_cuts_the_recording_at_the_next_step_and_the_job_goes_on(tmp_path
     assert asked.returncode == 130, out + err
     said = r"stopped \(Ctrl\+C\) at step (\d+): the ranks stop recording at step (\d+)"
     assert re.search(said, out), out + err
-    (folder,) = (tmp_path / "logs" / job.run_id).glob("profile-*")
-    summaries = []
+    summaries = []  # the ranks make the folder when they stop, at their next step
     while len(summaries) < 2:
         assert time.monotonic() < deadline + 120, job.stderr
-        summaries = [json.loads(p.read_text()) for p in folder.glob("rank*.summary.json")]
+        found = (tmp_path / "logs" / job.run_id).glob("profile-*/rank*.summary.json")
+        summaries = [json.loads(p.read_text()) for p in found]
         time.sleep(0.2)
     for summary in summaries:
         assert 5 <= summary["recorded"] < 100, summary  # cut, not the 100 asked for
