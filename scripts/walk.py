@@ -47,8 +47,10 @@ def load() -> dict[str, Module]:
         tree = ast.parse(path.read_text())
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module is not None or (
-                isinstance(node, ast.ImportFrom) and node.level
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module is not None
+                or (isinstance(node, ast.ImportFrom) and node.level)
             ):
                 base = node.module or ""
                 if node.level:
@@ -78,6 +80,8 @@ class Walker:
         self.modules = modules
         self.seen: set[tuple[str, str]] = set()
         self.order: list[tuple[str, str]] = []
+        self.callers: list[frozenset[str]] = []  # for each of order, the rooms on the stack
+        self._stack: list[str] = []
         methods: dict[str, list[tuple[str, str]]] = {}
         for m in modules.values():
             for fn in m.functions:
@@ -146,15 +150,18 @@ class Walker:
             return
         self.seen.add(where)
         self.order.append(where)
+        self.callers.append(frozenset(self._stack))
         module = self.modules[where[0]]
         node = module.functions.get(where[1])
         if node is None:
             return
         cls = where[1].split(".")[0] if "." in where[1] else None
+        self._stack.append(where[0])
         for call in calls_in_order(node):
             found = self.resolve(module, cls, call)
             if found is not None:
                 self.walk(found)
+        self._stack.pop()
 
 
 def calls_in_order(node: ast.AST) -> list[ast.Call]:
@@ -179,6 +186,22 @@ def stays(order: list[tuple[str, str]]) -> list[str]:
     return rooms
 
 
+def reentries(order: list[tuple[str, str]], callers: list[frozenset[str]]) -> int:
+    """Returns to a room none of whose functions is still being read: the reader goes back to
+    a module for a new reason (the coupling issue 36 is about), not to finish a caller."""
+    left: set[str] = set()
+    count = 0
+    previous = None
+    for (module, _), on_stack in zip(order, callers, strict=True):
+        if module != previous:
+            if module in left and module not in on_stack:
+                count += 1
+            if previous is not None:
+                left.add(previous)
+            previous = module
+    return count
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("start", nargs="?", default="ddpkit.launch.supervisor:launch")
@@ -200,6 +223,11 @@ def main() -> int:
     print(
         f"{args.start}: {len(walker.order)} functions, {len(rooms)} stays in {distinct} rooms, "
         f"{returns} returns to rooms already left ({returns / len(rooms):.0%} of stays)"
+    )
+    again = reentries(walker.order, walker.callers)
+    print(
+        f"of the returns, {returns - again} go back to a caller still being read and {again} "
+        f"re-enter a room no caller is in ({again / len(rooms):.0%} of stays)"
     )
     counts = Counter(rooms)
     most = [f"{room} x{n}" for room, n in counts.most_common(args.most) if n > 1]

@@ -15,6 +15,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddpkit.common.protocol import Step
 
 LEAD = 2.0  # seconds of steps between the plan and its first step
 # several nodes: the plan reaches the others at their launcher's next beat (1 s), then their
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nddpkit: stopped (Ctrl+C) at step {now}: {outcome}; the job goes on", flush=True)
         return 130
     merged = profile_breakdown.merge(folder)
-    recordings = profile_breakdown.read(folder, state_dirs)
+    recordings = profile_breakdown.read(folder, _timed_steps(state_dirs))
     report = profile_breakdown.text(recordings, folder, merged)
     (folder / "breakdown.txt").write_text(report + "\n")
     profile_breakdown.plot(recordings, folder / "breakdown.png")
@@ -193,6 +197,16 @@ def _step_counts(state_dirs: dict[int, Path]) -> dict[int, int]:
         if record is not None and record.count > 0:
             counts[rank] = record.count
     return counts
+
+
+def _timed_steps(state_dirs: dict[int, Path]) -> dict[int, list[Step]]:
+    """Each rank's whole step ring (this node's ranks)."""
+    from ddpkit.common import protocol
+
+    rings = {
+        rank: protocol.read_steps(folder, rank, since=0) for rank, folder in state_dirs.items()
+    }
+    return {rank: ring.steps for rank, ring in rings.items() if ring is not None}
 
 
 def _lead(state_dirs: dict[int, Path], extra: float) -> int:

@@ -37,8 +37,10 @@ class RankRecording:
         return float(sum(getattr(s, part) for s in self.steps))
 
 
-def read(folder: Path, state_dirs: dict[int, Path]) -> list[RankRecording]:
-    """Each rank's summary from the folder and its steps from its step record."""
+def read(folder: Path, timed: dict[int, list[protocol.Step]]) -> list[RankRecording]:
+    """Each rank's summary from the folder and its steps: `timed[rank]` (its step ring, read
+    by the caller) for this node's ranks, the ones its launcher sent with the summary for
+    another node's."""
     found = []
     for path in sorted(folder.glob("rank*.summary.json"), key=lambda p: int(p.name[4:-13])):
         summary = json.loads(path.read_text())
@@ -46,25 +48,14 @@ def read(folder: Path, state_dirs: dict[int, Path]) -> list[RankRecording]:
         recording = RankRecording(rank, summary)
         plan = summary["plan"]
         first, last = plan["first"], plan["first"] + plan["steps"]
-        state_dir = state_dirs.get(rank)
-        record = protocol.read_steps(state_dir, rank) if state_dir else None
-        # another node's rank: its launcher sent the steps with the summary
-        steps = (
-            record.steps
-            if record is not None
-            else [protocol.Step(*row) for row in summary.get("timed_steps", [])]
-        )
+        steps = timed.get(rank)
+        if steps is None:  # another node's rank
+            steps = [protocol.Step(*row) for row in summary.get("timed_steps", [])]
         recording.steps = [s for s in steps if first < s.number <= last]
         span = last - first
         recording.before = [s for s in steps if first - span < s.number <= first]
         found.append(recording)
     return found
-
-
-def last_step(state_dir: Path, ranks: list[int]) -> int:
-    """The last step the ranks' step records hold (0 when none was timed)."""
-    counts = [record.count for r in ranks if (record := protocol.read_steps(state_dir, r))]
-    return max(counts, default=0)
 
 
 def waited_for(recordings: list[RankRecording]) -> tuple[int, str] | None:

@@ -4,19 +4,18 @@
     step 15 in 2.9 s, 0 steps lost (the state the ranks left wrote at the failure); attempt 2 of 2
 
 The steps are the job's optimizer steps as the ranks count them across restarts
-(ddpkit.train.step_count, read from each rank's mapped count record): the step the failed rank
-was in, the step the restarted ranks began with (one after the state their s.load_state went
-on from), and the wall time from the failure to the end of that first step. A script that
-resumes without s.load_state gets the time alone: what it lost is its own to know.
+(ddpkit.train.step_count: each rank's count record, as the snapshot read it): the step the
+failed rank was in, the step the restarted ranks began with (one after the state their
+s.load_state went on from), and the wall time from the failure to the end of that first step.
+A script that resumes without s.load_state gets the time alone: what it lost is its own to
+know.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from ddpkit.common import protocol
 from ddpkit.launch.report import Outcome
 from ddpkit.launch.snapshot import Snapshot
 
@@ -32,12 +31,11 @@ class Failure:
     attempt: str  # "attempt 2 of 2": the one that starts next
 
 
-def failure_of(outcome: Outcome, ended: Snapshot, state_dir: Path, attempt: str) -> Failure:
+def failure_of(outcome: Outcome, ended: Snapshot, attempt: str) -> Failure:
     failed = [v for v in ended.ranks if v.failed and not v.stopped]
     root = next((v for v in ended.ranks if v.rank == outcome.root_rank), None)
     when = [v.ended_wall for v in ([root] if root is not None else failed) if v.ended_wall]
-    counts = {v.rank: protocol.read_count(state_dir, v.rank) for v in ended.ranks}
-    known = {r: c.base + c.done for r, c in counts.items() if c is not None}
+    known = {v.rank: v.count.base + v.count.done for v in ended.ranks if v.count is not None}
     step: int | None = None
     if root is not None and root.rank in known:
         step = known[root.rank] + 1
@@ -54,10 +52,10 @@ def _short(outcome: Outcome, root: object) -> str:
     return re.sub(r" at \S+:\d+ in .*$", "", text)  # where it is in the report above
 
 
-def went_on(failure: Failure, state_dir: Path, ranks: list[int]) -> str | None:
+def went_on(failure: Failure, now: Snapshot) -> str | None:
     """The line, once a restarted rank of this node ended its first step; None before."""
-    for rank in ranks:
-        count = protocol.read_count(state_dir, rank)
+    for view in now.ranks:
+        count = view.count
         if count is None or count.done < 1 or not count.first_end:
             continue
         seconds = max(count.first_end - failure.wall, 0.0)

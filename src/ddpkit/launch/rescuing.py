@@ -4,9 +4,9 @@ A rank that fails waiting for a peer writes it from its error hook (ddpkit.train
 rank may never hear that its peer is gone: under NCCL its collective with the lost peer never
 returns, and under gloo a dead rank's DataLoader workers (forked, holding its connections) keep
 its peers waiting until they notice, seconds later. So before the teardown the launcher asks
-every live rank that keeps a step it could write (`rankN.rescue-ready`) and has recorded no
-error (one that failed waiting for its peer writes from its error hook); each answers from a
-thread of its own once its part is written. A rank whose thread never takes the request (C
+every live rank that keeps a step it could write (`rankN.rescue-ready`: the snapshot's
+`rescuable`) and has recorded no error (one that failed waiting for its peer writes from its
+error hook); each answers from a thread of its own once its part is written. A rank whose thread never takes the request (C
 code holding the GIL) is not waited for. The ranks that answered have nothing left to save:
 they are ended at once, not given the stop's grace.
 """
@@ -42,7 +42,7 @@ def ask_survivors(
         v.rank: v.pid
         for v in snap.running
         if v.error is None  # one that recorded an error writes from its error hook, and ends
-        and protocol.state_path(state_dir, v.rank, protocol.RESCUE_READY).exists()
+        and v.rescuable
     }
     if not asked:
         return {}

@@ -1,14 +1,16 @@
 """One view of the ranks per poll: what each rank's files and process say, read once.
 
-`Reader.look(workers)` reads every rank's phase, progress record, error, process group, end
-and (once a rank failed) its memory facts, plus the steps written since the last read, and
-returns a frozen `Snapshot`. The watches, the decisions, blame and the report take that
-snapshot; none of them reads a rank's file itself (`ddpkit.common.protocol` is read here).
+`Reader.look(workers)` reads every rank's phase, progress record, step count, error, process
+group, end and (once a rank failed) its memory facts, plus the steps written since the last
+read, and returns a frozen `Snapshot`. The watches, the decisions, blame, the report and the
+restart's cost line take that snapshot; none of them reads a rank's file itself
+(`ddpkit.common.protocol` is read here). A recording's breakdown reads a rank's whole step
+ring once, through `Reader.timed_steps`.
 
-The phase and the progress record (what changes while a rank runs) are read at every look; the
-files a rank writes once or twice (its error, group, end, and its memory facts at an
-out-of-memory error) only when their modification time or size moved; the step rings (40 KiB
-each) and the process trees every STEPS_EVERY/USAGE_EVERY s. benchmarks/snapshot_cost.py
+The phase, the progress record and the step count (what changes while a rank runs) are read at
+every look; the files a rank writes once or twice (its error, group, end, and its memory facts
+at an out-of-memory error) only when their modification time or size moved; the step rings (40
+KiB each) and the process trees every STEPS_EVERY/USAGE_EVERY s. benchmarks/snapshot_cost.py
 measures what that costs.
 """
 
@@ -58,7 +60,9 @@ class RankView:
     fault: str = ""  # faulthandler's dump at the fatal signal it died of
     graceful: bool = False  # it reads s.stop_requested: it saves before it leaves a stop
     answers: bool = False  # it answers flight-recorder questions (its group exists)
+    rescuable: bool = False  # it keeps a completed step it could write (ddpkit.train.rescue)
     steps: protocol.StepRecord | None = None  # steps written since the last read
+    count: protocol.StepCount | None = None  # the job's steps as it counts them, at this look
 
     @property
     def alive(self) -> bool:
@@ -165,6 +169,7 @@ class Reader:
         said = _read(self._path(rank, protocol.PHASE))
         phase, since = protocol.phase_of(said) if said is not None else ("starting", 0.0)
         progress = _read(self._path(rank, protocol.PROGRESS))
+        counted = _read(self._path(rank, protocol.COUNT))
         error = self._changed(rank, protocol.ERROR, lambda: protocol.read_error(folder, rank), None)
         memory, snapshot, fault = None, False, ""
         if error is not None or exit_code not in (None, 0):
@@ -204,7 +209,9 @@ class Reader:
             fault=fault,
             graceful=os.path.exists(self._path(rank, protocol.GRACEFUL)),
             answers=os.path.exists(self._path(rank, protocol.FLIGHT_READY)),
+            rescuable=os.path.exists(self._path(rank, protocol.RESCUE_READY)),
             steps=self._steps(rank) if steps else None,
+            count=protocol.count_of(counted) if counted is not None else None,
         )
 
     def _path(self, rank: int, name: str) -> str:
@@ -233,6 +240,11 @@ class Reader:
         value = read()
         self._kept[(rank, name)] = (stamp, value)
         return value
+
+    def timed_steps(self, rank: int) -> protocol.StepRecord | None:
+        """Every step a rank's step ring holds (a recording's breakdown needs the whole ring,
+        not the steps since the last look)."""
+        return protocol.read_steps(self.state_dir, rank, since=0)
 
     def _steps(self, rank: int) -> protocol.StepRecord | None:
         found = protocol.read_steps(self.state_dir, rank, self._steps_read.get(rank, 0))

@@ -188,9 +188,7 @@ def _step(job: Job, state: State) -> State:
             if running.ended is not None and not action.new_round:
                 tries = f"attempt {state.attempt + 1} of {job.cfg.max_restarts + 1}"
                 assert running.outcome is not None
-                job.failure = recovery.failure_of(
-                    running.outcome, running.ended, running.state_dir, tries
-                )
+                job.failure = recovery.failure_of(running.outcome, running.ended, tries)
             had = job.node.nnodes
             job.node = crossnode.next_round(job.cfg, job.node)  # meet again
             if job.node.nnodes != had:
@@ -290,8 +288,7 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
     elif isinstance(action, lifecycle.Watch):
         _make_spares(job, running, snap)
         if job.failure is not None:  # a restarted job: what the failure cost, once it steps
-            ranks = [w.rank for w in running.workers]
-            line = recovery.went_on(job.failure, running.state_dir, ranks)
+            line = recovery.went_on(job.failure, snap)
             if line is not None:
                 job.failure = None
                 _say(line)
@@ -397,7 +394,8 @@ def _say_profile(job: Job, running: Running, at_end: bool) -> None:
         return
     written = [r for r in ranks if (folder / f"rank{r}.summary.json").exists()]
     if not written and at_end:
-        last = profile_breakdown.last_step(running.state_dir, ranks)
+        counted = [running.scene.reader.timed_steps(r) for r in ranks]
+        last = max((ring.count for ring in counted if ring is not None), default=0)
         _say(f"--profile-steps {steps[0]}-{steps[1]}: the job's last step was {last}: nothing "
              "recorded (`ddpkit top` shows a job's steps as it runs)")  # fmt: skip
         return
@@ -405,7 +403,9 @@ def _say_profile(job: Job, running: Running, at_end: bool) -> None:
         return
     try:
         merged = profile_breakdown.merge(folder)
-        recordings = profile_breakdown.read(folder, dict.fromkeys(ranks, running.state_dir))
+        rings = {r: running.scene.reader.timed_steps(r) for r in ranks}
+        timed = {r: ring.steps for r, ring in rings.items() if ring is not None}
+        recordings = profile_breakdown.read(folder, timed)
         report = profile_breakdown.text(recordings, folder, merged)
         (folder / "breakdown.txt").write_text(report + "\n")
         profile_breakdown.plot(recordings, folder / "breakdown.png")
