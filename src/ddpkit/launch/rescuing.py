@@ -6,9 +6,9 @@ returns, and under gloo a dead rank's DataLoader workers (forked, holding its co
 its peers waiting until they notice, seconds later. So before the teardown the launcher asks
 every live rank that keeps a step it could write (`rankN.rescue-ready`: the snapshot's
 `rescuable`) and has recorded no error (one that failed waiting for its peer writes from its
-error hook); each answers from a thread of its own once its part is written. A rank whose thread never takes the request (C
-code holding the GIL) is not waited for. The ranks that answered have nothing left to save:
-they are ended at once, not given the stop's grace.
+error hook); each answers from a thread of its own once its part is written. A rank whose
+thread never takes the request (C code holding the GIL) is not waited for. The ranks that
+answered have nothing left to save: they are ended at once, not given the stop's grace.
 """
 
 from __future__ import annotations
