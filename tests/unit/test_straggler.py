@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddpkit.common import protocol
-from ddpkit.launch.speed.straggler import SUSTAIN, Episodes, RankSummary, find
+from ddpkit.launch.speed.straggler import SUSTAIN, Episodes, Finding, RankSummary, find
 
 
 def rank(r: int, data=0.002, compute=0.030, comm=0.010, other=0.0, steps=50) -> RankSummary:
@@ -67,6 +67,18 @@ def test_one_slow_evaluation_is_not_an_episode():
     episodes = Episodes(1.2)
     slow = find([rank(0), rank(1, compute=0.060)], 1.2)
     assert [episodes.update(x)[0] for x in (slow, None, slow, None, slow)] == [""] * 5
+
+
+def test_the_same_rank_held_back_for_another_cause_starts_a_new_episode_without_an_end():
+    episodes = Episodes(1.2)
+    computes = find([rank(0), rank(1, compute=0.060)], 1.2)
+    assert [episodes.update(computes)[0] for _ in range(SUSTAIN)][-1] == "start"
+    sleeps = Finding(rank=1, part="wait", factor=2.0, share=0.6, others_share=0.3, own_factor=2.0)
+    # the cause flickers at the change (a loaded machine): only a sustained new cause counts
+    seen = [episodes.update(x) for x in (sleeps, computes, *[sleeps] * SUSTAIN)]
+    assert [what for what, _ in seen] == [""] * (SUSTAIN + 1) + ["start"], "never 'end'"
+    assert seen[-1][1] == sleeps
+    assert episodes.current == sleeps
 
 
 def test_the_step_ring_gives_what_is_new_and_survives_wrapping(tmp_path):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 from ddpkit.common import protocol
-from ddpkit.launch import observe, report
+from ddpkit.launch import causes, observe, report
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.peers.peers import NodePeers, wait_for_word
@@ -180,3 +181,40 @@ def test_a_victims_one_line_is_its_errors_first_sentence_without_cpp_file():
         "[127.0.0.1]:20380. This is typically caused by a remote worker crashing."
     )
     assert first_sentence(message) == "Connection closed by peer [127.0.0.1]:20380."
+
+
+def oom_watch(tmp_path, kills_since_start):
+    """The OOM watch of a memory cgroup (its files as the kernel writes them, limit 3 GiB)."""
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{3 * 2**30}\n")
+    (cgroup / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 2\noom_kill 0\n")
+    watch = causes.OomWatch()
+    watch.folder, watch.kills = cgroup, causes.oom_kills(cgroup)
+    text = f"low 0\nhigh 0\nmax 40\noom 2\noom_kill {kills_since_start}\n"
+    (cgroup / "memory.events").write_text(text)
+    return watch
+
+
+def two_killed_at_once(tmp_path):
+    """Rank 0 (367 MiB) reaped a moment before rank 1 (1.06 GiB), both SIGKILLed."""
+    now = time.time()
+    snap = look(tmp_path, [worker(0, -signal.SIGKILL, now), worker(1, -signal.SIGKILL, now + 0.01)])
+    held = {0: 367 * 2**20, 1: int(1.06 * 2**30)}
+    return replace(snap, ranks=tuple(replace(v, rss=held[v.rank]) for v in snap.ranks))
+
+
+def test_of_ranks_the_oom_killer_ended_at_once_the_one_that_held_most_is_the_cause(tmp_path):
+    outcome = report.Outcome.rank_failed(two_killed_at_once(tmp_path), oom_watch(tmp_path, 2))
+    assert outcome.root_rank == 1
+    assert outcome.summary == (
+        "rank 1 was killed by the kernel's OOM killer: the job's memory cgroup (limit 3 GiB) ran "
+        "out of memory; its processes last held 1.06 GiB; the kernel ended rank 0 too (it held "
+        "367 MiB)"
+    ), outcome.summary
+
+
+def test_ranks_killed_at_once_without_an_oom_kill_are_named_by_who_ended_first(tmp_path):
+    outcome = report.Outcome.rank_failed(two_killed_at_once(tmp_path), oom_watch(tmp_path, 0))
+    assert outcome.root_rank == 0
+    assert outcome.summary == "rank 0 died of SIGKILL", outcome.summary

@@ -181,6 +181,28 @@ OOM_FIX = (
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pids?\s*([\d, ]+)\) is killed by signal")
 
 
+def _the_one_that_held_most(
+    root: RankView,
+    failed: tuple[RankView, ...],
+    errors: dict[int, protocol.ErrorRecord],
+    oom: OomWatch,
+) -> tuple[RankView, list[RankView]]:
+    """Of the ranks SIGKILLed at the root's moment, the one that held the most memory, when the
+    OOM killer ended them: the kernel may end a second rank before the first one's memory is
+    freed, and which exit the launcher reaps first is chance. The others, as its victims."""
+    together = [
+        w
+        for w in failed
+        if w.exit_code == -signal.SIGKILL
+        and w.rank not in errors
+        and abs(w.ended_wall - root.ended_wall) < SAME_MOMENT
+    ]
+    if len(together) < 2 or not oom.killed({w.pid for w in together}):
+        return root, []
+    most = max(together, key=lambda w: (w.rss, -w.rank))
+    return most, sorted((w for w in together if w is not most), key=lambda w: w.rank)
+
+
 def killed_worker_pids(error: protocol.ErrorRecord | None) -> set[int]:
     """The DataLoader worker pids torch says were killed by a signal."""
     if error is None:
@@ -232,6 +254,9 @@ def root_cause(
             and e.time - first.time < SAME_MOMENT
         ]
         root = min(same, key=lambda w: w.rank)
+    also_killed: list[RankView] = []
+    if oom is not None and root.exit_code == -signal.SIGKILL and root.rank not in errors:
+        root, also_killed = _the_one_that_held_most(root, failed, errors, oom)
     victim = order(root)[0] is True
     summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
     fix = ""
@@ -242,6 +267,8 @@ def root_cause(
     killed = {root.pid} if code == -signal.SIGKILL else killed_worker_pids(error)
     if killed and oom is not None and oom.killed(killed):
         summary = f"rank {root.rank} {oom.text(root.rss)}"
+        for other in also_killed:
+            summary += f"; the kernel ended rank {other.rank} too (it held {gib(other.rss)})"
         fix = OOM_FIX
     if error is not None:
         site = error_site(error)

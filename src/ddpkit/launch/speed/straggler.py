@@ -120,12 +120,16 @@ def idle(me: RankSummary, others: list[RankSummary]) -> bool:
 
 @dataclass
 class Episodes:
-    """Turns evaluations into episodes: a line when one starts, a line when it ends."""
+    """Turns evaluations into episodes: a line when one starts, a line when it ends. The same
+    rank held back for another cause (its loader, then its compute) is a new episode that
+    starts as the old one ends, not the rank being back at the job's pace."""
 
     threshold: float
     current: Finding | None = None
     _streak: int = 0
     _candidate: int | None = None
+    _new_part: str | None = None  # the current rank's other cause, in a row `_changed` times
+    _changed: int = 0
 
     def update(self, finding: Finding | None) -> tuple[str, Finding | None]:
         """("start", finding), ("end", the ended finding) or ("", None)."""
@@ -139,14 +143,19 @@ class Episodes:
                 self.current, self._streak = finding, 0
                 return "start", finding
             return "", None
-        if (
-            finding is not None
-            and finding.rank == self.current.rank
-            and finding.part == self.current.part  # another cause is another episode
-        ):
-            self.current, self._streak = finding, 0
+        same_rank = finding is not None and finding.rank == self.current.rank
+        if same_rank and finding is not None and finding.part == self.current.part:
+            self.current, self._streak, self._changed = finding, 0, 0
             return "", None
         self._streak += 1
+        if same_rank and finding is not None:  # another cause is another episode
+            self._changed = self._changed + 1 if finding.part == self._new_part else 1
+            self._new_part = finding.part
+        else:
+            self._changed, self._new_part = 0, None
+        if self._changed >= SUSTAIN and finding is not None:
+            self.current, self._streak, self._changed, self._new_part = finding, 0, 0, None
+            return "start", finding
         if self._streak >= SUSTAIN:
             ended, self.current, self._streak = self.current, None, 0
             self._candidate = None
