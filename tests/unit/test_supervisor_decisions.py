@@ -209,8 +209,8 @@ def test_of_ranks_the_oom_killer_ended_at_once_the_one_that_held_most_is_the_cau
     assert outcome.root_rank == 1
     assert outcome.summary == (
         "rank 1 was killed by the kernel's OOM killer: the job's memory cgroup (limit 3 GiB) ran "
-        "out of memory; its processes last held 1.06 GiB; the kernel ended rank 0 too (it held "
-        "367 MiB)"
+        "out of memory; its processes last held 1.06 GiB; rank 0 was SIGKILLed the same moment (it "
+        "held 367 MiB)"
     ), outcome.summary
 
 

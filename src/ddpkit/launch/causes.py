@@ -189,7 +189,8 @@ def _the_one_that_held_most(
 ) -> tuple[RankView, list[RankView]]:
     """Of the ranks SIGKILLed at the root's moment, the one that held the most memory, when the
     OOM killer ended them: the kernel may end a second rank before the first one's memory is
-    freed, and which exit the launcher reaps first is chance. The others, as its victims."""
+    freed, and which exit the launcher reaps first is chance. The others, as its victims (said
+    as SIGKILLed with it: which signal came from the kernel, only root may read)."""
     together = [
         w
         for w in failed
@@ -268,7 +269,9 @@ def root_cause(
     if killed and oom is not None and oom.killed(killed):
         summary = f"rank {root.rank} {oom.text(root.rss)}"
         for other in also_killed:
-            summary += f"; the kernel ended rank {other.rank} too (it held {gib(other.rss)})"
+            summary += (
+                f"; rank {other.rank} was SIGKILLed the same moment (it held {gib(other.rss)})"
+            )
         fix = OOM_FIX
     if error is not None:
         site = error_site(error)
