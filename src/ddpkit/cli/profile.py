@@ -212,13 +212,7 @@ def _timed_steps(state_dirs: dict[int, Path]) -> dict[int, list[Step]]:
 def _lead(state_dirs: dict[int, Path], extra: float) -> int:
     """Steps that take about LEAD (+ `extra`) seconds, at least 3, from the ranks' recent step
     times."""
-    from ddpkit.common import protocol
-
-    times = []
-    for rank, state_dir in state_dirs.items():
-        record = protocol.read_steps(state_dir, rank, since=0)
-        if record is not None:
-            times += [s.total for s in record.steps[-20:]]
+    times = [s.total for steps in _timed_steps(state_dirs).values() for s in steps[-20:]]
     step = statistics.median(times) if times else 0.0
     return max(3, math.ceil((LEAD + extra) / step)) if step > 0 else 3
 

@@ -168,13 +168,6 @@ class StepCount:
 COUNT_FORMAT = struct.Struct("<qqd??")
 
 
-def read_count(state_dir: str | Path, rank: int | str) -> StepCount | None:
-    try:
-        return count_of(state_path(state_dir, rank, COUNT).read_bytes())
-    except OSError:
-        return None
-
-
 def count_of(raw: bytes) -> StepCount | None:
     """A count record's bytes as read (None where it is not whole yet)."""
     return StepCount(*COUNT_FORMAT.unpack_from(raw)) if len(raw) >= COUNT_FORMAT.size else None

@@ -143,16 +143,16 @@ class Episodes:
                 self.current, self._streak = finding, 0
                 return "start", finding
             return "", None
-        same_rank = finding is not None and finding.rank == self.current.rank
-        if same_rank and finding is not None and finding.part == self.current.part:
-            self.current, self._streak, self._changed = finding, 0, 0
-            return "", None
-        self._streak += 1
-        if same_rank and finding is not None:  # another cause is another episode
+        if finding is not None and finding.rank == self.current.rank:
+            if finding.part == self.current.part:
+                self.current, self._streak, self._changed = finding, 0, 0
+                return "", None
+            # another cause is another episode
             self._changed = self._changed + 1 if finding.part == self._new_part else 1
             self._new_part = finding.part
         else:
             self._changed, self._new_part = 0, None
+        self._streak += 1
         if self._changed >= SUSTAIN and finding is not None:
             self.current, self._streak, self._changed, self._new_part = finding, 0, 0, None
             return "start", finding
