@@ -152,10 +152,13 @@ def test_ctrl_c_cuts_the_recording_at_the_next_step_and_the_job_goes_on(tmp_path
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     first = None
+    seen: list[tuple[float, int, bool]] = []  # (time, rank 0's steps, marker): said on failure
     while first is None or steps_of(0) < first + 5:
-        assert asked.poll() is None, asked.communicate()
+        marked = (state / "rank0.profiling").exists()
+        seen.append((round(time.monotonic() % 1000, 2), steps_of(0), marked))
+        assert asked.poll() is None, (asked.communicate(), first, seen[-40:])
         assert time.monotonic() < deadline + 60
-        if first is None and (state / "rank0.profiling").exists():
+        if first is None and marked:
             first = steps_of(0)
         time.sleep(0.1)
     asked.send_signal(signal.SIGINT)  # as Ctrl+C in the terminal

@@ -318,3 +318,41 @@ def test_a_long_wait_names_every_waiting_rank_not_only_the_first_past_the_thresh
 
 def test_no_long_wait_is_said_before_one_rank_waited_the_threshold():
     assert watch_with_quiet({0: 3.2, 1: 3.9, 2: 0.5}) is None
+
+
+# -- a tick that is late but not yet decisive holds the hang verdict ---------------------------
+
+
+def stalled_job(ticked_ago: float, now: float = 1000.0):
+    """Ranks 0 and 2 wait in all_reduce; rank 1's tick is `ticked_ago` s old. No rank has
+    made progress for 6 s against a hang timeout of 4 s."""
+    from pathlib import Path
+
+    from ddpkit.launch.hang.progress_watch import HangWatch, RankState
+    from ddpkit.launch.peers.peers import NoPeers
+    from ddpkit.launch.snapshot import RankView, Snapshot
+
+    waiting = protocol.Record(1, 0, now - 6, True, "all_reduce", ticked=now)
+    views = tuple(
+        RankView(rank=r, pid=100 + r, phase="ready", cpu=1.0, io=0,
+                 record=protocol.Record(ticked=now - ticked_ago) if r == 1 else waiting)
+        for r in range(3)
+    )  # fmt: skip
+    watch = HangWatch(Path("/nonexistent"), timeout=4.0, peers=NoPeers())
+    watch.next_flight = float("inf")  # no flight recorder to ask
+    watch.ranks = {
+        v.rank: RankState(cpu=1.0, io=0, record=v.record, last_progress=now - 6) for v in views
+    }
+    watch.last_sample = now - 1
+    return watch.hung(Snapshot(views, wall=now, mono=now, sampled=True))
+
+
+@pytest.mark.parametrize("ticked_ago", [2.0, 4.0, 5.0])
+def test_a_hang_is_not_judged_while_a_ranks_tick_is_late_but_not_yet_decisive(ticked_ago):
+    # judged now, rank 1 (stuck in C code holding its GIL) would be placed 'elsewhere'
+    assert not stalled_job(ticked_ago)
+
+
+@pytest.mark.parametrize("ticked_ago", [0.3, 5.5, 60.0])
+def test_a_hang_is_judged_once_every_ranks_tick_is_fresh_or_decisively_stale(ticked_ago):
+    assert stalled_job(ticked_ago)

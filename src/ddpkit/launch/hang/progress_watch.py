@@ -127,6 +127,10 @@ class HangWatch:
         if any(s.last_progress >= now for s in self.ranks.values()):
             self.peers.progressed()
         if self.peers.leads and self.stalled_for(now) >= self.timeout:
+            late = [v.rank for v in snap.running if tick_undecided(v, snap.wall)]
+            if late:  # held until a later look says whether C code holds their GIL
+                log.debug("stalled, but rank(s) %s tick late, not yet decisively: held", late)
+                return False
             log.debug("no rank made progress for %.0f s: hung", self.stalled_for(now))
             return True
         self._watch_waits(now)  # this node's ranks, on every node
@@ -220,6 +224,20 @@ def waits_in_flight(
     9 s still showed it pending, and was called hung), and a gloo rank's progress record and
     CPU time already say whether it waits or works."""
     return backend == "nccl" and before is not None and seen[1] is not None and seen == before
+
+
+TICK_LATE = 3 * protocol.TICK_EVERY  # a tick this late is no longer scheduling's delay
+
+
+def tick_undecided(view: RankView, now: float) -> bool:
+    """The rank's tick is late, but not yet GIL_STALE: whether C code holds its GIL cannot be
+    said yet. A hang verdict waits for it (at most GIL_STALE - TICK_LATE s): read too early, a
+    rank stuck in a regex under a short --hang-timeout was said to be 'elsewhere' (CI, on a
+    machine loaded enough that its burnt CPU did not count as busy)."""
+    record = view.record
+    if not view.alive or record is None or not record.ticked:
+        return False
+    return view.phase in ("init", "ready") and TICK_LATE < now - record.ticked <= GIL_STALE
 
 
 def holds_gil(view: RankView, now: float) -> bool:
