@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu.sh profile      # ddpkit profile's traces on GPUs, its cost (issue 39)
 #   bash benchmarks/gpu.sh owed         # a short lease: the GPU tests but the hang file, then
 #                                       # restart and rescue's figures, bounded (~9 minutes)
+#   bash benchmarks/gpu.sh rest         # what owed leaves (~8 minutes): the hang file's GPU
+#                                       # tests, what profiling costs, the snapshot on the wide MLP
 #   bash benchmarks/gpu.sh restart      # failure to the restarted job's first step: torchrun,
 #                                       # ddpkit cold, ddpkit with warm spares (issue 38;
 #                                       # RESTART_RUNS=3 RESTART_SLEEP=0.3 s a step)
@@ -28,7 +30,7 @@
 # Results land in $OUT (default out/); a short table is printed last. NVLink multicast stays off
 # (the device's notes), in every worker too (they inherit this environment).
 set -u
-MODE=${1:?"mode: tests | owed | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue | restart | profile"}
+MODE=${1:?"mode: tests | owed | rest | hang | launcher | collectives | training | faults | clients | speed | shard | stopflag | memory | rescue | restart | profile"}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -199,6 +201,18 @@ owed)  # one call for a short lease, the most owed first, each bounded (whatever
   timeout 300 python3 -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_gpu_hang.py \
     --ignore=tests/gpu/test_profile_gpu.py -v -s -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
+  ;;
+rest)  # the second call of a short lease, after owed
+  machine
+  timeout 220 python3 -m pytest -m gpu tests/gpu/test_gpu_hang.py -v -s -p no:cacheprovider \
+    >"$OUT/gpu_hang_tests.txt" 2>&1
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/gpu_hang_tests.txt" | tail -8
+  timeout 60 python3 -m ddpkit run -n 1 benchmarks/rescue_snapshot_cost.py --model wide \
+    --batch 512 >"$OUT/rescue_wide_b512.txt" 2>&1
+  grep -h -A4 "^.*model " "$OUT"/rescue_*.txt | sed 's/^\[rank 0\] //'
+  (cd benchmarks && timeout 250 python3 profile_cost.py --device cuda --model gpt --batch 8) \
+    >"$OUT/profile_cost.txt" 2>&1 || echo "FAILED profile_cost"
+  tail -4 "$OUT/profile_cost.txt"
   ;;
 *)
   echo "unknown mode $MODE" >&2
