@@ -18,10 +18,10 @@
 #                                       # (GPT-2-small bf16, b4 and b8; forced compare at 1 GPU)
 #   bash benchmarks/gpu.sh rescue       # what keeping the last completed step costs (issue 38)
 #   bash benchmarks/gpu.sh profile      # ddpkit profile's traces on GPUs, its cost (issue 39)
-#   bash benchmarks/gpu.sh owed         # a short lease: the GPU tests but the hang file, then
-#                                       # restart and rescue's figures, bounded (~9 minutes)
-#   bash benchmarks/gpu.sh rest         # what owed leaves (~8 minutes): the hang file's GPU
-#                                       # tests, what profiling costs, the snapshot on the wide MLP
+#   bash benchmarks/gpu.sh owed         # a short lease: every GPU test (the profile's first),
+#                                       # then the snapshot's figure, bounded (~9 minutes)
+#   bash benchmarks/gpu.sh rest         # what owed leaves (~8 minutes): the restart against
+#                                       # torchrun, what profiling costs, the wide MLP's snapshot
 #   bash benchmarks/gpu.sh restart      # failure to the restarted job's first step: torchrun,
 #                                       # ddpkit cold, ddpkit with warm spares (issue 38;
 #                                       # RESTART_RUNS=3 RESTART_SLEEP=0.3 s a step)
@@ -185,28 +185,23 @@ restart)  # issue 38: a failure to the first step of the restarted job, against 
   tail -6 "$OUT/restart_cost.txt"
   ;;
 owed)  # one call for a short lease, the most owed first, each bounded (whatever the lease cut
-  # short still comes back): the profile's GPU test, the snapshot's and the restart's figures
-  # (issue 38), then the other GPU tests but the hang file (its path is CPU-tested, unchanged)
+  # short still comes back): every GPU test, the profile's first (issues 36, 39), then the
+  # snapshot's figure (issue 38); `rest` is the second call (the restart, what profiling costs)
   machine
-  timeout 120 python3 -m pytest -m gpu tests/gpu/test_profile_gpu.py -v -s -p no:cacheprovider \
-    >"$OUT/profile_tests.txt" 2>&1
-  grep -E "recorded on|PASSED|FAILED|passed|failed|Error" "$OUT/profile_tests.txt" | tail -6
+  ls tests/gpu/test_*.py | grep -v test_profile_gpu | { echo tests/gpu/test_profile_gpu.py; cat; } |
+    xargs timeout 480 python3 -m pytest -m gpu -v -s -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1
+  grep -E "recorded on|PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
   timeout 55 python3 -m ddpkit run -n 1 benchmarks/rescue_snapshot_cost.py --model gpt \
     --batch 8 --blocks 6 >"$OUT/rescue_gpt_b8.txt" 2>&1
   grep -h -A4 "^.*model " "$OUT"/rescue_*.txt | sed 's/^\[rank 0\] //'
+  ;;
+rest)  # the second call of a short lease, after owed: the restart against torchrun, what
+  # profiling costs, the snapshot on the wide MLP (issues 38, 39)
+  machine
   if [ "$N" -ge 2 ]; then ranks=2 fail=1; else ranks=1 fail=0; fi
-  timeout 100 python3 benchmarks/restart_cost.py --ranks "$ranks" --fail-rank "$fail" --runs 2 \
+  timeout 150 python3 benchmarks/restart_cost.py --ranks "$ranks" --fail-rank "$fail" --runs 3 \
     --sleep 0.3 >"$OUT/restart_cost.txt" 2>&1 || echo "FAILED restart_cost"
   tail -6 "$OUT/restart_cost.txt"
-  timeout 300 python3 -m pytest -m gpu tests/gpu --ignore=tests/gpu/test_gpu_hang.py \
-    --ignore=tests/gpu/test_profile_gpu.py -v -s -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1
-  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
-  ;;
-rest)  # the second call of a short lease, after owed
-  machine
-  timeout 220 python3 -m pytest -m gpu tests/gpu/test_gpu_hang.py -v -s -p no:cacheprovider \
-    >"$OUT/gpu_hang_tests.txt" 2>&1
-  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/gpu_hang_tests.txt" | tail -8
   timeout 60 python3 -m ddpkit run -n 1 benchmarks/rescue_snapshot_cost.py --model wide \
     --batch 512 >"$OUT/rescue_wide_b512.txt" 2>&1
   grep -h -A4 "^.*model " "$OUT"/rescue_*.txt | sed 's/^\[rank 0\] //'
