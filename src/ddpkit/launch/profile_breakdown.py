@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,42 @@ class RankRecording:
 
     def total(self, part: str) -> float:
         return float(sum(getattr(s, part) for s in self.steps))
+
+
+def once_written(
+    run_dir: Path,
+    steps: tuple[int, int],
+    ranks: list[int],
+    timed_steps: Callable[[int], protocol.StepRecord | None],
+    at_end: bool,
+) -> str | None:
+    """`ddpkit run --profile-steps A-B`: what to say once every rank of this node has written
+    its recording (or at the job's end, what was written, or that nothing was); None while it
+    is not time yet, or once said (breakdown.txt is written with it)."""
+    folder = run_dir / f"profile-{steps[0]}-{steps[1]}"
+    if (folder / "breakdown.txt").exists():
+        return None
+    written = [r for r in ranks if (folder / f"rank{r}.summary.json").exists()]
+    if not written and at_end:
+        counted = [timed_steps(r) for r in ranks]
+        last = max((ring.count for ring in counted if ring is not None), default=0)
+        return (
+            f"--profile-steps {steps[0]}-{steps[1]}: the job's last step was {last}: nothing "
+            "recorded (`ddpkit top` shows a job's steps as it runs)"
+        )
+    if not written or (len(written) < len(ranks) and not at_end):
+        return None
+    try:
+        merged = merge(folder)
+        rings = {r: timed_steps(r) for r in ranks}
+        timed = {r: ring.steps for r, ring in rings.items() if ring is not None}
+        recordings = read(folder, timed)
+        said = text(recordings, folder, merged)
+        (folder / "breakdown.txt").write_text(said + "\n")
+        plot(recordings, folder / "breakdown.png")
+    except (OSError, ValueError) as err:
+        said = f"the recording of steps {steps[0]}-{steps[1]} could not be read: {err}"
+    return said
 
 
 def read(folder: Path, timed: dict[int, list[protocol.Step]]) -> list[RankRecording]:

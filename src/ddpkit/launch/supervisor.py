@@ -388,30 +388,12 @@ def _say_profile(job: Job, running: Running, at_end: bool) -> None:
     if steps is None or running.begun[0] != 0 or (not at_end and now - running.profile_looked < 1):
         return
     running.profile_looked = now
-    folder = job.run_dir / f"profile-{steps[0]}-{steps[1]}"
     ranks = [w.rank for w in running.workers]
-    if (folder / "breakdown.txt").exists():
-        return
-    written = [r for r in ranks if (folder / f"rank{r}.summary.json").exists()]
-    if not written and at_end:
-        counted = [running.scene.reader.timed_steps(r) for r in ranks]
-        last = max((ring.count for ring in counted if ring is not None), default=0)
-        _say(f"--profile-steps {steps[0]}-{steps[1]}: the job's last step was {last}: nothing "
-             "recorded (`ddpkit top` shows a job's steps as it runs)")  # fmt: skip
-        return
-    if not written or (len(written) < len(ranks) and not at_end):
-        return
-    try:
-        merged = profile_breakdown.merge(folder)
-        rings = {r: running.scene.reader.timed_steps(r) for r in ranks}
-        timed = {r: ring.steps for r, ring in rings.items() if ring is not None}
-        recordings = profile_breakdown.read(folder, timed)
-        report = profile_breakdown.text(recordings, folder, merged)
-        (folder / "breakdown.txt").write_text(report + "\n")
-        profile_breakdown.plot(recordings, folder / "breakdown.png")
-    except (OSError, ValueError) as err:
-        report = f"the recording of steps {steps[0]}-{steps[1]} could not be read: {err}"
-    _say(report)
+    said = profile_breakdown.once_written(
+        job.run_dir, steps, ranks, running.scene.reader.timed_steps, at_end
+    )
+    if said is not None:
+        _say(said)
 
 
 def _say_end(job: Job, running: Running) -> None:
