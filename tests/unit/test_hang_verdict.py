@@ -323,9 +323,9 @@ def test_no_long_wait_is_said_before_one_rank_waited_the_threshold():
 # -- a tick that is late but not yet decisive holds the hang verdict ---------------------------
 
 
-def stalled_job(ticked_ago: float, now: float = 1000.0):
+def stalled_job(ticked_ago: float, now: float = 1000.0, held_since: float = 0.0):
     """Ranks 0 and 2 wait in all_reduce; rank 1's tick is `ticked_ago` s old. No rank has
-    made progress for 6 s against a hang timeout of 4 s."""
+    made progress for 6 s against a hang timeout of 4 s; the verdict held since `held_since`."""
     from pathlib import Path
 
     from ddpkit.launch.hang.progress_watch import HangWatch, RankState
@@ -344,6 +344,7 @@ def stalled_job(ticked_ago: float, now: float = 1000.0):
         v.rank: RankState(cpu=1.0, io=0, record=v.record, last_progress=now - 6) for v in views
     }
     watch.last_sample = now - 1
+    watch.held_since = held_since
     return watch.hung(Snapshot(views, wall=now, mono=now, sampled=True))
 
 
@@ -356,3 +357,10 @@ def test_a_hang_is_not_judged_while_a_ranks_tick_is_late_but_not_yet_decisive(ti
 @pytest.mark.parametrize("ticked_ago", [0.3, 5.5, 60.0])
 def test_a_hang_is_judged_once_every_ranks_tick_is_fresh_or_decisively_stale(ticked_ago):
     assert stalled_job(ticked_ago)
+
+
+def test_a_tick_kept_late_without_end_holds_the_verdict_no_longer_than_a_tick_could_need():
+    # a machine so starved that the tick stays 2 s late at every look: the verdict comes 3.5 s
+    # after it was first held (the tick would have been decisive by then)
+    assert not stalled_job(2.0, now=1000.0, held_since=997.0)
+    assert stalled_job(2.0, now=1000.0, held_since=996.4)

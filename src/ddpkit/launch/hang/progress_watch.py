@@ -76,6 +76,7 @@ class HangWatch:
         self.waits: Waits | None = None  # a long wait for a working rank, to be described
         self.said_wait = False
         self.group: tuple[str, float] | None = None  # the process group's, once known
+        self.held_since = 0.0  # monotonic time a hang verdict was first held for a late tick
 
     def hung(self, snap: Snapshot) -> bool:
         if self.timeout <= 0 or not snap.sampled:
@@ -128,11 +129,15 @@ class HangWatch:
             self.peers.progressed()
         if self.peers.leads and self.stalled_for(now) >= self.timeout:
             late = [v.rank for v in snap.running if tick_undecided(v, snap.wall)]
-            if late:  # held until a later look says whether C code holds their GIL
+            self.held_since = self.held_since or now
+            # held until a later look says whether C code holds their GIL; bounded, should a
+            # starved machine keep a tick late without end
+            if late and now - self.held_since < GIL_STALE - TICK_LATE:
                 log.debug("stalled, but rank(s) %s tick late, not yet decisively: held", late)
                 return False
             log.debug("no rank made progress for %.0f s: hung", self.stalled_for(now))
             return True
+        self.held_since = 0.0
         self._watch_waits(now)  # this node's ranks, on every node
         return False
 
