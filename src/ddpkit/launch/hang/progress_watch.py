@@ -234,21 +234,26 @@ def waits_in_flight(
 TICK_LATE = 3 * protocol.TICK_EVERY  # a tick this late is no longer scheduling's delay
 
 
+def tick_age(view: RankView, now: float) -> float | None:
+    """Seconds since the rank's tick thread last ran, once the rank joined the job (start-up is
+    left out: loading torch's libraries holds the GIL for seconds on a loaded machine); None for
+    a rank that does not tick or has not joined."""
+    record = view.record
+    if record is None or not record.ticked or view.phase not in ("init", "ready"):
+        return None
+    return now - record.ticked
+
+
 def tick_undecided(view: RankView, now: float) -> bool:
     """The rank's tick is late, but not yet GIL_STALE: whether C code holds its GIL cannot be
     said yet. A hang verdict waits for it (at most GIL_STALE - TICK_LATE s): read too early, a
     rank stuck in a regex under a short --hang-timeout was said to be 'elsewhere' (CI, on a
     machine loaded enough that its burnt CPU did not count as busy)."""
-    record = view.record
-    if not view.alive or record is None or not record.ticked:
-        return False
-    return view.phase in ("init", "ready") and TICK_LATE < now - record.ticked <= GIL_STALE
+    age = tick_age(view, now)
+    return view.alive and age is not None and TICK_LATE < age <= GIL_STALE
 
 
 def holds_gil(view: RankView, now: float) -> bool:
-    """The rank's tick thread has not run for GIL_STALE s since it joined the job (start-up is
-    left out: loading torch's libraries holds the GIL for seconds on a loaded machine)."""
-    record = view.record
-    if record is None or not record.ticked or now - record.ticked <= GIL_STALE:
-        return False
-    return view.phase in ("init", "ready")
+    """The rank's tick thread has not run for GIL_STALE s since it joined the job."""
+    age = tick_age(view, now)
+    return age is not None and age > GIL_STALE
