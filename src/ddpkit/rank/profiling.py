@@ -29,6 +29,10 @@ from typing import Any
 from ddpkit.common import protocol
 
 TOP = 12  # ops kept in the summary
+# torch's RecordScope of record_function's spans (DDP's forward, the DataLoader's next, gloo's
+# collectives): their own time is the Python between the ops inside them, not an op's work, and
+# on a loaded machine it came first (rank 1's top op read 'DistributedDataParallel.forward')
+USER_SCOPE = 7
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,8 @@ def _disarm() -> None:
 
 
 def summarise(profiler: Any) -> dict[str, Any]:
-    """The top ops by own time (on the GPU when it ran there), and the communication time."""
+    """The top ops by own time (on the GPU when it ran there; spans named with record_function
+    left out), and the communication time."""
     averages = profiler.key_averages()
     on_gpu = any(_device_time(e) > 0 for e in averages)
     rows = []
@@ -197,7 +202,7 @@ def summarise(profiler: Any) -> dict[str, Any]:
             comm += _device_time(e) / 1e6
         elif not on_gpu and name.startswith("gloo:"):  # gloo's threads' spans
             comm += float(e.cpu_time_total) / 1e6
-        if own > 0:
+        if own > 0 and getattr(e, "scope", None) != USER_SCOPE:
             rows.append((name, own / 1e6, int(e.count)))
     rows.sort(key=lambda r: -r[1])
     return {"device": "gpu" if on_gpu else "cpu", "top": rows[:TOP], "comm_s": comm}
