@@ -2,10 +2,10 @@
 last completed step, and `ddpkit run --max-restarts 1` resumes from it. The script is the
 pytorch/examples ddp-tutorial-series trainer (tests/e2e/scripts/snapshot_trainer.py), saving
 every 10 steps, 3 ranks, drawing from every random stream each step (--augment); rank 1 or rank
-0 fails at step 15 of the first attempt: an exception, SIGKILL, a segfault, an exit code, the
-kernel's OOM killer. Every step's global loss is bit-identical to the never-failed run's, every
-sample of the epoch is trained on once in the run's history, and nothing is left running. (A
-lost node: tests/multinode/test_nodes.py.)"""
+0 fails: an exception, SIGKILL, a segfault, an exit code, the kernel's OOM killer, one in each
+attempt of one job (a restart costs seconds, a new job tens). Every step's global loss is
+bit-identical to the never-failed run's, every sample of the epoch is trained on once in the
+run's history, and nothing is left running. (A lost node: tests/multinode/test_nodes.py.)"""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ SAMPLES = re.compile(r"rank \d attempt (\d) epoch 0 step (\d+) samples ([\d,]+)"
 RESUMED = re.compile(r"Resuming training from snapshot at Epoch 0 step (\d+)")
 
 
-def run(tmp_path, name, *extra, cgroup=None):
-    args = ["-n", "3", "--max-restarts", "1", SCRIPT, "1", "1", "--batch_size", "4",
+def run(tmp_path, name, *extra, cgroup=None, restarts=1):
+    args = ["-n", "3", "--max-restarts", str(restarts), SCRIPT, "1", "1", "--batch_size", "4",
             "--snapshot_path", str(tmp_path / name), "--save_steps", "10", "--augment",
             *extra]  # fmt: skip
     return start(args, tmp_path, cgroup=cgroup)
@@ -47,12 +47,13 @@ def losses(text: str) -> dict[int, list[str]]:
     return found
 
 
-def trained_on(text: str, resumed_at: int) -> list[int]:
-    """The epoch's samples in the run's history: the first attempt's steps up to the state the
-    second resumed from, then every step of the second."""
+def trained_on(text: str, resumed_at: list[int]) -> list[int]:
+    """The epoch's samples in the run's history: each attempt's steps up to the state the next
+    one resumed from, then every step of the last."""
     seen = []
     for attempt, step, ids in SAMPLES.findall(text):
-        if attempt == "1" or int(step) <= resumed_at:
+        a = int(attempt)
+        if a >= len(resumed_at) or int(step) <= resumed_at[a]:
             seen += [int(i) for i in ids.split(",")]
     return sorted(seen)
 
@@ -68,23 +69,8 @@ def never(tmp_path_factory):
     return expected
 
 
-@pytest.fixture
-def cgroup_for(request):
-    """A memory cgroup of 4 GiB for the OOM case (the job and its warm spares hold ~2 GiB),
-    else None."""
-    if request.node.callspec.params["how"] != "oom":
-        yield None
-        return
-    cgroup = memory_cgroup_for_test()
-    if cgroup is None:
-        pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
-    limit_memory(cgroup, 4 * 2**30)
-    yield cgroup
-    remove_cgroup(cgroup)
-
-
 CAUSE = {  # the root cause the launcher names: the failure was the kind asked for
-    "raise": "RuntimeError: boom at step 15",
+    "raise": r"RuntimeError: boom at step \d+",
     "kill": "SIGKILL",
     "segfault": "died of SIGSEGV",
     "exit": "exited with code 3",
@@ -92,32 +78,59 @@ CAUSE = {  # the root cause the launcher names: the failure was the kind asked f
 }
 
 
-@pytest.mark.parametrize("rank", [1, 0])
-@pytest.mark.parametrize("how", ["raise", "kill", "segfault", "exit", "oom"])
-def test_a_failed_rank_costs_no_step_and_every_later_loss_is_the_never_failed_runs(
-    tmp_path, never, how, rank, cgroup_for
-):
-    args = ["--fail_rank", str(rank), "--fail_step", "15", "--fail_how", how]
-    job = run(tmp_path, "state", *args, cgroup=cgroup_for)
-    assert job.finish(120) == 0, job.stderr
-    said = job.stderr
-    assert re.search(rf"root cause: rank {rank} .*{CAUSE[how]}", said), said
-    assert re.search(r"rank \d wrote the state of the last completed step to .*state-", said)
-    assert "restarting the whole group (1 of 1)" in said
-    assert re.search(
-        rf"ddpkit: rank {rank} failed at step 15 \(.*\); restarted from step 15 in [\d.]+ s, "
-        r"0 steps lost \(the state the ranks left wrote at the failure\); attempt 2 of 2",
-        said,
-    ), said
-    resumed = int(RESUMED.search(job.stdout)[1])
-    assert resumed == 14, "steps 1-14 were complete; the last save was at 10"
-    assert f"rank {rank}'s from the random streams it left at that step" in said
+def failures_in_turn(tmp_path, never, failures, cgroup=None):
+    """One job, one failure in each attempt in turn, (rank, step, how) each: every one costs no
+    step, and every step's loss is the never-failed run's. One job for all of them: a restart
+    costs seconds where a new job costs tens."""
+    ranks, steps, hows = (",".join(str(f[i]) for f in failures) for i in range(3))
+    args = ["--fail_rank", ranks, "--fail_step", steps, "--fail_how", hows]
+    job = run(tmp_path, "state", *args, cgroup=cgroup, restarts=len(failures))
+    assert job.finish(240) == 0, job.stderr
+    said, total = job.stderr, len(failures) + 1
+    for attempt, (rank, step, how) in enumerate(failures, start=2):
+        assert re.search(rf"root cause: rank {rank} .*{CAUSE[how]}", said), (how, said)
+        assert re.search(
+            rf"ddpkit: rank {rank} failed at step {step} \(.*\); restarted from step {step} in "
+            rf"[\d.]+ s, 0 steps lost \(the state the ranks left wrote at the failure\); "
+            rf"attempt {attempt} of {total}",
+            said,
+        ), (how, rank, said)
+        assert f"rank {rank}'s from the random streams it left at that step" in said
+    assert len(re.findall(r"rank \d wrote the state of the last completed step to", said)) == len(
+        failures
+    )
     assert "random state went with it" not in said, "its streams were on this node"
+    resumed = [int(n) for n in RESUMED.findall(job.stdout)]
+    assert resumed == [step - 1 for _, step, _ in failures], "each at the last complete step"
     got = losses(job.stdout)
     assert all(len(v) == 1 for v in got.values()), "no step done twice"
     assert got == {step: [loss] for step, [loss] in never.items()}
     assert trained_on(job.stdout, resumed) == list(range(240)), "every sample once"
     assert not job.survivors()
+
+
+def test_each_failure_kind_on_rank_1_then_rank_0_costs_no_step_and_every_loss_is_never_failed(
+    tmp_path, never
+):
+    # steps 1-10, then the save at 10, then 11-20: each failure comes after at least one step
+    # past the state the attempt began from (else that state is already the last step)
+    failures = [(1, 3, "raise"), (0, 5, "raise"), (1, 7, "kill"), (0, 9, "kill"),
+                (1, 13, "segfault"), (0, 15, "segfault"),
+                (1, 17, "exit"), (0, 19, "exit")]  # fmt: skip
+    failures_in_turn(tmp_path, never, failures)
+
+
+def test_the_kernels_oom_killer_on_rank_1_then_on_rank_0_costs_no_step(tmp_path, never):
+    # a memory cgroup of 4 GiB (the job and its warm spares hold ~2 GiB): the failing rank
+    # allocates until the kernel's OOM killer ends it
+    cgroup = memory_cgroup_for_test()
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
+    try:
+        limit_memory(cgroup, 4 * 2**30)
+        failures_in_turn(tmp_path, never, [(1, 5, "oom"), (0, 15, "oom")], cgroup=cgroup)
+    finally:
+        remove_cgroup(cgroup)
 
 
 def test_a_killed_rank_whose_dataloader_workers_hold_its_connections_costs_no_step(tmp_path, never):
@@ -132,7 +145,7 @@ def test_a_killed_rank_whose_dataloader_workers_hold_its_connections_costs_no_st
     assert int(RESUMED.search(job.stdout)[1]) == 14
     got = losses(job.stdout)
     assert got == {step: [loss] for step, [loss] in never.items()}
-    assert trained_on(job.stdout, 14) == list(range(240)), "every sample once"
+    assert trained_on(job.stdout, [14]) == list(range(240)), "every sample once"
     assert not job.survivors()
 
 

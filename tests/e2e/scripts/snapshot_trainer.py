@@ -3,7 +3,9 @@ multigpu_torchrun.py (a Trainer class, `_run_epoch`, `_save_snapshot` every `sav
 `_load_snapshot` at start, `total_epochs save_every --batch_size`), with ddpkit's setup, loader
 and state in place of the tutorial's. It saves when asked to stop, so a job stopped on N ranks
 can go on with M; `--save_steps N` saves every N steps too; `--fail_rank R --fail_step S`:
-rank R fails at step S of the first attempt (`--fail_how`: raise an exception, SIGKILL itself,
+rank R fails at step S of the first attempt; comma lists (`--fail_rank 1,0 --fail_step 3,5
+--fail_how raise,kill`) fail once in each attempt in turn, the lists' last entries standing for
+the rest (`--fail_how`: raise an exception, SIGKILL itself,
 segfault, exit with code 3, or allocate host memory until the kernel's OOM killer ends it, run
 inside a memory cgroup with a limit;
 `--fail_where before|after`: before its forward, or after its optimizer step; `--stamps`: the
@@ -51,7 +53,8 @@ class MyTrainDataset(Dataset):
 
 class Trainer:
     def __init__(self, s, model, train_data, optimizer, save_every, snapshot_path, sleep, steps,
-                 fail=(-1, 0, "raise", "before", 0.0), augment=False, stamps=False):  # fmt: skip
+                 fail=([-1], [], ["raise"], "before", 0.0), augment=False,
+                 stamps=False):  # fmt: skip
         self.s = s
         self.augment = augment
         self.stamps = stamps
@@ -62,9 +65,9 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.sleep = sleep
         self.save_steps = steps
-        self.fail_rank, self.fail_step, self.fail_how, self.fail_where, kill_after = fail
-        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if kill_after and first and s.rank == self.fail_rank:  # a random moment of training
+        self.fail_ranks, self.fail_steps, self.fail_hows, self.fail_where, kill_after = fail
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if kill_after and self.attempt == 0 and s.rank == self.fail_ranks[0]:  # a random moment
             threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
         self.meta = {"epochs_run": 0, "step": 0}
         self.to_save = {"model": self.model, "optimizer": optimizer, "loader": train_data}
@@ -74,24 +77,26 @@ class Trainer:
             s.print(f"Resuming training from snapshot at Epoch {epoch} step {step}", flush=True)
 
     def _fail(self, where):
-        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if not first or self.s.rank != self.fail_rank or self.meta["step"] + 1 != self.fail_step:
+        if self.attempt >= len(self.fail_steps) or where != self.fail_where:
             return
-        if where != self.fail_where:
+        step = self.fail_steps[self.attempt]
+        rank = self.fail_ranks[min(self.attempt, len(self.fail_ranks) - 1)]
+        how = self.fail_hows[min(self.attempt, len(self.fail_hows) - 1)]
+        if self.s.rank != rank or self.meta["step"] + 1 != step:
             return
         if self.stamps:
             print(f"stamp failed {time.time()!r}", flush=True)
-        if self.fail_how == "kill":
+        if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif self.fail_how == "segfault":
+        elif how == "segfault":
             ctypes.string_at(0)
-        elif self.fail_how == "exit":
+        elif how == "exit":
             sys.exit(3)
-        elif self.fail_how == "oom":
+        elif how == "oom":
             held = []
             while True:
                 held.append(torch.ones(64 * 2**20 // 4))  # 64 MiB, touched
-        raise RuntimeError(f"boom at step {self.fail_step}")
+        raise RuntimeError(f"boom at step {step}")
 
     def _run_batch(self, source, targets):
         self._fail("before")
@@ -175,17 +180,20 @@ if __name__ == "__main__":
     parser.add_argument("--snapshot_path", default="snapshot", type=str)
     parser.add_argument("--sleep", default=0.0, type=float, help="seconds per step")
     parser.add_argument("--save_steps", default=0, type=int, help="also save every N steps")
-    parser.add_argument("--fail_rank", default=-1, type=int, help="this rank raises ...")
-    parser.add_argument("--fail_step", default=0, type=int, help="... at this step, once")
-    parser.add_argument(
-        "--fail_how", default="raise", choices=["raise", "kill", "segfault", "exit", "oom"]
-    )
+    parser.add_argument("--fail_rank", default="-1", help="this rank raises ... (or R,R,...)")
+    parser.add_argument("--fail_step", default="", help="... at this step, once (or S,S,...)")
+    parser.add_argument("--fail_how", default="raise", help="raise|kill|segfault|exit|oom (,...)")
     parser.add_argument("--fail_where", default="before", choices=["before", "after"])
     parser.add_argument("--kill_after", default=0.0, type=float, help="seconds, on --fail_rank")
     parser.add_argument("--augment", action="store_true", help="random flips, noise, dropout")
     parser.add_argument("--stamps", action="store_true", help="wall times: failure, each step")
     parser.add_argument("-j", "--workers", default=0, type=int, help="data loading workers")
     args = parser.parse_args()
-    fail = (args.fail_rank, args.fail_step, args.fail_how, args.fail_where, args.kill_after)
+    hows = args.fail_how.split(",")
+    if not set(hows) <= {"raise", "kill", "segfault", "exit", "oom"}:
+        parser.error(f"--fail_how: {args.fail_how}")
+    ranks = [int(r) for r in args.fail_rank.split(",")]
+    steps = [int(n) for n in args.fail_step.split(",") if n]
+    fail = (ranks, steps, hows, args.fail_where, args.kill_after)
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path, args.sleep,
          args.save_steps, fail, args.augment, args.stamps, args.workers)  # fmt: skip
