@@ -64,7 +64,7 @@ class Kept:
     # an optimizer step since the last boundary (the next fetch is one); none at first: until
     # the next step the state on disk (just saved or loaded) is this very one
     stepped: bool = False
-    after_step: dict[str, Any] | None = None  # the streams as the last optimizer step left them
+    after_step: bytes | None = None  # the streams as the last optimizer step left them
     snapshot: dict[str, Any] = field(default_factory=dict)
     boundaries: int = 0
     base: int = 0  # the newest state when remembered: with `boundaries`, names a rescue
@@ -74,7 +74,7 @@ class Kept:
 
 
 _kept: Kept | None = None
-_rng: Any = None  # a QuickRng, made at the first snapshot
+_live: Any = None  # a quick_rng.LiveStreams, made at the first snapshot
 _file: Any = None  # this rank's rng_file.RngFile; False outside a run or when it cannot be made
 _hooks: list[Any] = []
 # the script's hooks and a rescue on the launcher's request, one at a time; once a rescue has
@@ -149,8 +149,8 @@ def _step_ended(*_: Any) -> None:
     try:
         kept.stepped = True
         if _streams_file():  # in case this rank dies before its next fetch (rng_file)
-            kept.after_step = _quick().take()
-            _file.write_taken(kept.base, kept.boundaries + 1, _rng, kept.after_step, fetched=False)
+            kept.after_step = _streams().payload()
+            _file.put(kept.base, kept.boundaries + 1, kept.after_step, fetched=False)
     finally:
         _guard.release()
 
@@ -163,12 +163,15 @@ def before_fetch(loader: Any) -> None:
     _enter()
     try:
         kept.stepped = False
-        kept.snapshot = _snapshot(kept.plan)
+        kept.snapshot = snap = _snapshot(kept.plan)
         kept.boundaries += 1
-        taken, after, kept.after_step = kept.snapshot["rng"], kept.after_step, None
-        kept.snapshot["moved"] = after is None or not _same_streams(after, taken)
-        if kept.snapshot["moved"] and _streams_file():
-            _file.write_taken(kept.base, kept.boundaries, _rng, taken)
+        after, kept.after_step = kept.after_step, None
+        snap["moved"] = after is None or after != snap["streams"]
+        if _streams_file():
+            if snap["moved"]:
+                _file.put(kept.base, kept.boundaries, snap["streams"])
+            else:
+                _file.mark_fetched(kept.boundaries)
         kept.open = True
     finally:
         _guard.release()
@@ -231,24 +234,13 @@ def _streams_file() -> bool:
     return bool(_file)
 
 
-def _quick() -> Any:
-    global _rng
-    if _rng is None:
-        from ddpkit.train.quick_rng import QuickRng
+def _streams() -> Any:
+    global _live
+    if _live is None:
+        from ddpkit.train.quick_rng import LiveStreams
 
-        _rng = QuickRng()
-    return _rng
-
-
-def _same_streams(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether no stream moved between two takes (a QuickRng hands back the same object for
-    Python's, numpy's and torch's CPU streams when they did not move)."""
-    if a["python"] is not b["python"] or a.get("numpy") is not b.get("numpy"):
-        return False
-    if a["torch"] is not b["torch"]:
-        return False
-    cuda_a, cuda_b = a.get("cuda", []), b.get("cuda", [])
-    return len(cuda_a) == len(cuda_b) and all(map(torch.equal, cuda_a, cuda_b))
+        _live = LiveStreams()
+    return _live
 
 
 def _plan(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[tuple[str, str, Any]]:
@@ -276,7 +268,7 @@ def _snapshot(plan: list[tuple[str, str, Any]]) -> dict[str, Any]:
             snap["buffers"][name] = _buffers_now(name, target)
         else:
             snap["small"][name] = _copy(target.state_dict())
-    snap["rng"] = _quick().take()
+    snap["streams"] = _streams().payload()
     snap["steps"] = step_count.done()
     return snap
 
@@ -398,7 +390,7 @@ def _rescue() -> tuple[str, bool] | None:
 
 def _write(kept: Kept) -> tuple[str, bool]:
     from ddpkit.train import state
-    from ddpkit.train.quick_rng import as_saved
+    from ddpkit.train.quick_rng import streams_of
 
     place, snap, root = kept.place, kept.snapshot, kept.path
     buffers = {  # first: a buffer replaced since the walk leaves nothing to vouch for
@@ -414,7 +406,7 @@ def _write(kept: Kept) -> tuple[str, bool]:
         "format": state.FORMAT,
         "rank": place.rank,
         "world_size": place.world_size,
-        "rng": as_saved(snap["rng"]),
+        "rng": streams_of(snap["streams"]),
         "loaders": snap["loaders"],
     }
     _write_part(tmp, place.rank, mine)

@@ -11,8 +11,9 @@ a copy leaves the previous boundary whole. A rank on another node is out of reac
 re-seeded at load, as before.
 
 A rank can die between its optimizer step and its next fetch, after the others passed the
-boundary: its streams are written at the optimizer step too, labelled with the coming boundary,
-and again at the fetch only if they moved in between. The loop is the same on every rank, so a
+boundary: its streams are written at the optimizer step too, labelled with the coming boundary;
+at the fetch they are written again if they moved in between, else that copy is marked as the
+fetch's (one byte). The loop is the same on every rank, so a
 survivor whose own streams did not move there may take the failed rank's copy from its
 optimizer step; one whose streams moved takes only a copy from the fetch itself.
 
@@ -27,15 +28,13 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ddpkit.common import protocol
+from ddpkit.train.quick_rng import streams_of
 
 SLOT = 16384  # bytes per slot: the streams take ~10.6 KB (CUDA: 16 bytes a GPU)
 _FRAME = struct.Struct("<qqq?7x")  # boundary number, base, payload length, taken at the fetch
+_FETCHED = 24  # the flag's offset in the frame
 _END = struct.Struct("<q")
-_WORDS_BYTES = 2500
-_GAUSS = struct.Struct("<Bd")  # has a cached Gaussian, its value
 
 
 def path_of(state_dir: str | Path, rank: int) -> Path:
@@ -54,36 +53,24 @@ class RngFile:
         finally:
             os.close(fd)
 
-    def write(self, base: int, boundary: int, python: bytes, py_gauss: float | None,
-              numpy: tuple[bytes, int, float] | None, cpu: torch.Tensor,
-              cuda: list[torch.Tensor], fetched: bool = True) -> None:  # fmt: skip
-        parts = [python, _GAUSS.pack(py_gauss is not None, py_gauss or 0.0)]
-        if numpy is not None:
-            words, has_gauss, gauss = numpy
-            parts += [b"\x01", words, _GAUSS.pack(bool(has_gauss), gauss)]
-        else:
-            parts.append(b"\x00")
-        for tensor in (cpu, *cuda):
-            raw = tensor.numpy().tobytes()
-            parts += [struct.pack("<i", len(raw)), raw]
-        payload = b"".join(parts)
+    def put(self, base: int, boundary: int, payload: bytes, fetched: bool = True) -> None:
+        """One boundary's streams (quick_rng's payload) into its slot; `fetched`: read at the
+        boundary itself, not at the optimizer step that ended the step before. The slot's frame
+        says no boundary until the copy is whole: a rank killed in the middle of rewriting a
+        slot leaves it unread, never half old and half new."""
         at = (boundary % 2) * SLOT
         end = at + _FRAME.size + len(payload)
         if end + _END.size > at + SLOT:
             return  # more GPUs than a slot holds: the rank's part is re-seeded, as before
-        self.map[at : at + _FRAME.size] = _FRAME.pack(boundary, base, len(payload), fetched)
+        _FRAME.pack_into(self.map, at, -1, base, len(payload), fetched)
         self.map[at + _FRAME.size : end] = payload
-        self.map[end : end + _END.size] = _END.pack(boundary)
+        _END.pack_into(self.map, end, boundary)
+        _FRAME.pack_into(self.map, at, boundary, base, len(payload), fetched)
 
-    def write_taken(self, base: int, boundary: int, quick: Any, taken: dict[str, Any],
-                    fetched: bool = True) -> None:  # fmt: skip
-        """A QuickRng's take (quick_rng), its words as the generators hold them; `fetched`:
-        taken at the boundary itself, not at the optimizer step that ended the step before."""
-        numpy = None
-        if "numpy" in taken and quick.numpy is not None:
-            numpy = (quick.numpy.words(), taken["numpy"][3], taken["numpy"][4])
-        self.write(base, boundary, quick.python.words(), taken["python"][2], numpy,
-                   taken["torch"], taken.get("cuda", []), fetched)  # fmt: skip
+    def mark_fetched(self, boundary: int) -> None:
+        """The copy in `boundary`'s slot, made at the optimizer step, is the boundary's too (no
+        stream moved in between)."""
+        self.map[(boundary % 2) * SLOT + _FETCHED] = 1
 
 
 def read(path: Path, base: int, boundary: int, fetched: bool = False) -> dict[str, Any] | None:
@@ -105,35 +92,7 @@ def read(path: Path, base: int, boundary: int, fetched: bool = False) -> dict[st
         return None
     if _END.unpack_from(raw, end)[0] != boundary:
         return None  # the copy was cut off
-    return _parse(raw[at + _FRAME.size : end])
-
-
-def _parse(payload: bytes) -> dict[str, Any]:
-    import numpy as np
-
-    at = 0
-
-    def take(n: int) -> bytes:
-        nonlocal at
-        at += n
-        return payload[at - n : at]
-
-    index, *words = struct.unpack(f"<i{624}I", take(_WORDS_BYTES))
-    has, gauss = _GAUSS.unpack(take(_GAUSS.size))
-    streams: dict[str, Any] = {"python": (3, (*words, index), gauss if has else None)}
-    if take(1) == b"\x01":
-        keys = np.frombuffer(take(4 * 624), dtype="<u4").astype("int64")
-        (pos,) = struct.unpack("<i", take(4))
-        has, gauss = _GAUSS.unpack(take(_GAUSS.size))
-        streams["numpy"] = ("MT19937", torch.from_numpy(keys), pos, int(has), gauss)
-    tensors = []
-    while at < len(payload):
-        (n,) = struct.unpack("<i", take(4))
-        tensors.append(torch.frombuffer(bytearray(take(n)), dtype=torch.uint8))
-    streams["torch"] = tensors[0]
-    if len(tensors) > 1:
-        streams["cuda"] = tensors[1:]
-    return streams
+    return streams_of(raw[at + _FRAME.size : end])
 
 
 def mine() -> RngFile | None:
