@@ -123,3 +123,14 @@ def test_once_a_rescue_began_the_scripts_next_optimizer_step_waits(job):
     script.join(1.0)
     assert script.is_alive(), "the optimizer step waits (the launcher ends the process)"
     assert all(map(torch.equal, weights, job["model"].parameters())), "no parameter moved"
+
+
+def test_turned_off_by_its_variable_nothing_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPKIT_NO_RESCUE", "1")
+    model = torch.nn.Linear(4, 4)
+    rescue.remember(tmp_path, {"model": model, "counters": {}}, PLACE)
+    assert rescue._kept is None
+    monkeypatch.setenv("DDPKIT_NO_RESCUE", "0")
+    rescue.remember(tmp_path, {"model": model, "counters": {}}, PLACE)
+    assert rescue._kept is not None, "0 leaves it on"
+    rescue.forget()

@@ -24,6 +24,9 @@ atomically (COMPLETE, then the rename). A rank whose part is still missing (its 
 is re-seeded at load with a notice. Outside the window nothing is written and the last regular
 save is used.
 
+`DDPKIT_NO_RESCUE=1` turns it off (nothing kept, no hook runs): for a step the host sets
+that is so short (under ~20 ms) that the snapshot's ~0.1 ms shows (docs/recovery.md).
+
 Asked by the launcher, the rank's answering thread does the writing (ddpkit.rank.answering):
 the script's thread may be blocked in C code. It first stops the script's thread at its next
 hook, for good (a step must not begin while the state is written; the launcher ends the process
@@ -51,6 +54,7 @@ from ddpkit.train import step_count
 from ddpkit.train.placement import Placement
 
 PARTS_WAIT = 3.0  # seconds the claiming survivor waits for the other survivors' parts
+OFF = "DDPKIT_NO_RESCUE"  # =1: nothing kept, no hook's cost; a failure resumes from the last save
 
 
 @dataclass
@@ -93,6 +97,9 @@ def remember(path: str | os.PathLike[str], objects: Mapping[str, Any], place: Pl
     from ddpkit.train.state import kind_of, sharded_part
 
     kinds = {name: kind_of(name, obj) for name, obj in objects.items()}
+    if os.environ.get(OFF, "") not in ("", "0"):
+        _kept = None  # the user turned it off: a host-bound step too short for its cost
+        return
     if place.world_size < 2 or sharded_part(objects, kinds) is not None:
         _kept = None  # one rank has no peer; a lost shard has no replica to write it from
         return
