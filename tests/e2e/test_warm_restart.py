@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -44,6 +45,18 @@ def ps_rows(run_id: str) -> list[dict]:
     return [r for r in json.loads(done.stdout) if r["job"] == run_id]
 
 
+def rows_once_the_spares_are_up(run_id: str, timeout: float) -> list[dict]:
+    """`ddpkit ps`'s rows once the three spares show as spares: a spare names itself as its
+    first act (until then, a few milliseconds, or more on a loaded machine, ps shows it as
+    another worker of its rank), and the launcher logs them as it starts them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = ps_rows(run_id)
+        if sum(r["role"] == "spare" for r in rows) == 3 or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
 def test_a_restart_takes_the_warm_spares_and_goes_on_bit_identical(tmp_path):
     never = start(["-n", "3", SCRIPT, "1", "1", "--batch_size", "4", "--augment",
                    "--snapshot_path", str(tmp_path / "never")], tmp_path)  # fmt: skip
@@ -63,7 +76,9 @@ def test_ps_lists_the_spares_and_ctrl_c_ends_them_with_the_job(tmp_path):
     job = trainer(tmp_path, epochs="3", sleep="0.2")
     try:
         job.wait_for("spares for attempt 1", timeout=bound(60))
-        roles = sorted((r["role"], r["rank"]) for r in ps_rows(job.run_id))
+        roles = sorted(
+            (r["role"], r["rank"]) for r in rows_once_the_spares_are_up(job.run_id, bound(15))
+        )
         assert roles == [("launcher", ""), ("spare", "0"), ("spare", "1"), ("spare", "2"),
                          ("worker", "0"), ("worker", "1"), ("worker", "2")]  # fmt: skip
         os.kill(job.proc.pid, signal.SIGINT)
@@ -78,7 +93,8 @@ def test_a_sigkilled_launcher_takes_its_spares_with_it(tmp_path):
     job = trainer(tmp_path, epochs="3", sleep="0.2")
     try:
         job.wait_for("spares for attempt 1", timeout=bound(60))
-        spares = [r["pid"] for r in ps_rows(job.run_id) if r["role"] == "spare"]
+        rows = rows_once_the_spares_are_up(job.run_id, bound(15))
+        spares = [r["pid"] for r in rows if r["role"] == "spare"]
         assert len(spares) == 3
         job.proc.kill()
         gone_within(job, bound(15), extra_pids=spares)
