@@ -2,7 +2,8 @@
 # Every GPU measurement of ddpkit, for any number of GPUs, one mode per 10-minute device call:
 #
 #   bash benchmarks/gpu.sh tests        # the GPU tests (tests/gpu): NCCL setup, flight
-#                                       # recorder, faults, graphed steps, exact resume
+#                                       # recorder, faults, graphed steps, exact resume;
+#                                       # `tests FILE...`: only those (a short lease)
 #   bash benchmarks/gpu.sh hang         # a GPU that never finishes; OOM verdicts; their cost
 #   bash benchmarks/gpu.sh launcher     # doctor, the demo, start-up against torchrun
 #   bash benchmarks/gpu.sh collectives  # every collective at 2..N GPUs, eager and -G
@@ -87,7 +88,9 @@ tests | faults)
   machine
   what=tests/gpu
   [ "$MODE" = faults ] && what=tests/gpu/test_nccl_faults.py
-  timeout 580 python3 -m pytest -m gpu "$what" -v -s -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1
+  [ $# -gt 1 ] && what="${*:2}"  # a short lease: only the files named
+  # shellcheck disable=SC2086 # the files named, one word each
+  timeout 580 python3 -m pytest -m gpu $what -v -s -p no:cacheprovider >"$OUT/gpu_tests.txt" 2>&1
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|resume on|stall to report" \
     "$OUT/gpu_tests.txt" | tail -40
   ;;
