@@ -3,16 +3,19 @@ comes, and find any process of the job that survived."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import pytest
 
 from ddpkit.common.procs import is_alive, processes_of_job
 
@@ -121,6 +124,20 @@ def start(
     for pipe, sink in ((proc.stdout, job.out), (proc.stderr, job.err)):
         threading.Thread(target=_read, args=(pipe, sink), daemon=True).start()
     return job
+
+
+@contextlib.contextmanager
+def memory_limited_cgroup(limit: int) -> Iterator[Path]:
+    """A memory cgroup of `limit` bytes for the test's job, removed once its processes are gone;
+    the test is skipped where none can be made."""
+    cgroup = memory_cgroup_for_test()
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
+    try:
+        limit_memory(cgroup, limit)
+        yield cgroup
+    finally:
+        remove_cgroup(cgroup)
 
 
 def memory_cgroup_for_test() -> Path | None:

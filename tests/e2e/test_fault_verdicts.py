@@ -24,9 +24,7 @@ import pytest
 from tests.e2e.helpers import (
     SCRIPTS,
     bound,
-    limit_memory,
-    memory_cgroup_for_test,
-    remove_cgroup,
+    memory_limited_cgroup,
     start,
 )
 
@@ -157,11 +155,7 @@ def test_a_crash_names_the_line_it_died_at_and_the_workers_own_error(
 
 @pytest.mark.parametrize("eater", [1])
 def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(tmp_path, eater):
-    cgroup = memory_cgroup_for_test()
-    if cgroup is None:
-        pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
-    try:
-        limit_memory(cgroup, 3 * 2**30)
+    with memory_limited_cgroup(3 * 2**30) as cgroup:
         # the launcher starts inside the limited cgroup, as a pod's or a SLURM job's does
         cmd = (
             f"echo $$ > {cgroup}/cgroup.procs && exec {sys.executable} -m ddpkit run -n 3 "
@@ -175,8 +169,6 @@ def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(tmp_path, eat
             "(limit 3 GiB) ran out of memory; its processes last held"
         ), done.stderr
         assert "fix: use less host memory per rank" in done.stderr
-    finally:
-        remove_cgroup(cgroup)
 
 
 @pytest.mark.parametrize(

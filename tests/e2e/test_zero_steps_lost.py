@@ -19,9 +19,7 @@ import pytest
 
 from tests.e2e.helpers import (
     SCRIPTS,
-    limit_memory,
-    memory_cgroup_for_test,
-    remove_cgroup,
+    memory_limited_cgroup,
     start,
 )
 
@@ -123,14 +121,8 @@ def test_each_failure_kind_on_rank_1_then_rank_0_costs_no_step_and_every_loss_is
 def test_the_kernels_oom_killer_on_rank_1_then_on_rank_0_costs_no_step(tmp_path, never):
     # a memory cgroup of 4 GiB (the job and its warm spares hold ~2 GiB): the failing rank
     # allocates until the kernel's OOM killer ends it
-    cgroup = memory_cgroup_for_test()
-    if cgroup is None:
-        pytest.skip("no memory cgroup can be made here (needs root and the memory controller)")
-    try:
-        limit_memory(cgroup, 4 * 2**30)
+    with memory_limited_cgroup(4 * 2**30) as cgroup:
         failures_in_turn(tmp_path, never, [(1, 5, "oom"), (0, 15, "oom")], cgroup=cgroup)
-    finally:
-        remove_cgroup(cgroup)
 
 
 def test_a_killed_rank_whose_dataloader_workers_hold_its_connections_costs_no_step(tmp_path, never):
