@@ -2,6 +2,7 @@
 
     python scripts/walk.py                       # from ddpkit.launch.supervisor:launch
     python scripts/walk.py ddpkit.rank.bootstrap:main --path
+    python scripts/walk.py torch.distributed.run:run --src $(python -c 'import site; print(site.getsitepackages()[0])') --package torch/distributed
 
 The walk is static: every ddpkit function a function calls (in source order) is read the first
 time it is met, depth first; the module each function lives in is its room. Consecutive
@@ -34,15 +35,15 @@ class Module:
     names: dict[str, str] = field(default_factory=dict)  # local name -> "module" or "module:fn"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = path.relative_to(src).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def load() -> dict[str, Module]:
+def load(src: Path = SRC, package: str = "ddpkit") -> dict[str, Module]:
     modules: dict[str, Module] = {}
-    for path in sorted((SRC / "ddpkit").rglob("*.py")):
-        name = module_name(path)
+    for path in sorted((src / package).rglob("*.py")):
+        name = module_name(path, src)
         found = Module(name)
         tree = ast.parse(path.read_text())
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -207,9 +208,11 @@ def main() -> int:
     parser.add_argument("start", nargs="?", default="ddpkit.launch.supervisor:launch")
     parser.add_argument("--path", action="store_true", help="print every stay in order")
     parser.add_argument("--most", type=int, default=8, help="rooms returned to most")
+    parser.add_argument("--src", type=Path, default=SRC, help="the folder packages are under")
+    parser.add_argument("--package", default="ddpkit", help="the package (folder) walked")
     args = parser.parse_args()
     module, _, function = args.start.partition(":")
-    walker = Walker(load())
+    walker = Walker(load(args.src, args.package))
     walker.walk((module, function))
     if not walker.order:
         print(f"no function {args.start}", file=sys.stderr)
