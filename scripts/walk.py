@@ -2,7 +2,9 @@
 
     python scripts/walk.py                       # from ddpkit.launch.supervisor:launch
     python scripts/walk.py ddpkit.rank.bootstrap:main --path
-    python scripts/walk.py torch.distributed.run:run --src $(python -c 'import site; print(site.getsitepackages()[0])') --package torch/distributed
+    python scripts/walk.py torch.distributed.launcher.api:launch_agent \
+        --src "$(python -c 'import torch, os; print(os.path.dirname(torch.__path__[0]))')" \
+        --package torch/distributed
 
 The walk is static: every ddpkit function a function calls (in source order) is read the first
 time it is met, depth first; the module each function lives in is its room. Consecutive
