@@ -151,17 +151,27 @@ def test_the_slowed_rank_is_named_with_its_cause_an_even_phase_with_none_and_top
 @pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="needs 2 cores to pin to")
 @pytest.mark.skipif(os.geteuid() != 0, reason="sets priorities below nice 0 (root, as CI)")
 def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
-    # ranks that compute (a wide model, no sleep): a core shared with a hog halves rank 1's pace
-    phases = ["even", *["hold"] * 40]
-    args = ["--phase", "150", "--io", "0", "--batch", "64", "--hidden", "1024"]
-    job = start(["-n", "2", *WINDOW, SCRIPT, *phases, *args], tmp_path)
-    hog = None
+    # ranks that compute (a wide model, no sleep): a core shared with a hog halves rank 1's pace.
+    # The hogs are on core 1 before the job starts, and the ranks are pinned at their first
+    # step: no window of rank 1's steps comes before the hogs (with an even phase first, the
+    # suite's own load once made rank 1 a straggler before them: CI, session 24).
+    hog_code = "import os\nos.sched_setaffinity(0, {1})\nos.nice(-5)\nwhile True: pass"
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", hog_code], start_new_session=True) for _ in range(2)
+    ]
+    job = None
     try:
+        for h in hogs:
+            _autogroup_nice(h.pid, -20)
+            _wait_pinned(h.pid, {1})
+        phases = ["hold"] * 41
+        args = ["--phase", "150", "--io", "0", "--batch", "64", "--hidden", "1024"]
+        job = start(["-n", "2", *WINDOW, SCRIPT, *phases, *args], tmp_path)
         job.wait_for("[rank 1] hold", timeout=bound(120))
         ranks = [p for p in psutil.process_iter(["environ"]) if _rank_of(p, job.run_id) is not None]
         assert len(ranks) == 2
         # each rank (every thread of it) on a core of its own; rank 0 before the suite's other
-        # work on core 0, rank 1 behind two hogs on core 1 (~10% of it): a straggler however
+        # work on core 0, rank 1 behind the two hogs on core 1 (~10% of it): a straggler however
         # busy the machine is. Where the kernel groups processes by session (autogroup, on by
         # default), nice acts only inside a group: the groups' own nice is set too.
         for p in ranks:
@@ -171,14 +181,6 @@ def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
                 if rank == 0:
                     os.setpriority(os.PRIO_PROCESS, thread.id, -10)
             _autogroup_nice(p.pid, -10)
-        hog_code = "import os\nos.sched_setaffinity(0, {1})\nos.nice(-5)\nwhile True: pass"
-        hogs = [
-            subprocess.Popen([sys.executable, "-c", hog_code], start_new_session=True)
-            for _ in range(2)
-        ]
-        for h in hogs:
-            _autogroup_nice(h.pid, -20)
-        hog = hogs[0]
         try:
             job.wait_for("straggler: rank 1", timeout=bound(90))
         except AssertionError as missed:  # what the launcher saw, for whoever reads the failure
@@ -189,19 +191,29 @@ def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
             load = os.getloadavg()
             raise AssertionError(f"{missed}\nload {load}\ntop: {seen.stdout[-3000:]}") from None
         line = next(v for v in verdicts(job.stderr) if "rank 1" in v)
-        assert "computes" in line
-        assert any(f"pid {h.pid}" in line for h in hogs), line
+        assert "computes" in line, job.stderr
+        assert any(f"pid {h.pid}" in line for h in hogs), job.stderr
         # rank 0 may be named too when the machine is busy with others' work (the suite runs
         # in two workers on two cores): then with its own evidence, never the hog on core 1
         for other in (v for v in verdicts(job.stderr) if "straggler: rank 0 " in v):
             assert not any(f"pid {h.pid}" in other for h in hogs), other
     finally:
-        for h in hogs if hog is not None else []:
+        for h in hogs:
             h.kill()
             h.wait()
-        job.proc.terminate()
-        job.finish(60)
+        if job is not None:
+            job.proc.terminate()
+            job.finish(60)
+    assert job is not None
     assert not job.survivors()
+
+
+def _wait_pinned(pid: int, cores: set[int], timeout: float = 30) -> None:
+    """Until the process has set its affinity to `cores` (its interpreter is up)."""
+    deadline = time.monotonic() + timeout
+    while set(psutil.Process(pid).cpu_affinity()) != cores:
+        assert time.monotonic() < deadline, f"pid {pid} never pinned itself to {cores}"
+        time.sleep(0.05)
 
 
 def _autogroup_nice(pid: int, nice: int) -> None:
