@@ -42,9 +42,10 @@ def module_name(path: Path, src: Path = SRC) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def load(src: Path = SRC, package: str = "ddpkit") -> dict[str, Module]:
+def load(src: Path = SRC, root: str = "ddpkit") -> dict[str, Module]:
+    """Every module under `src / root` (a package's folder), by its dotted name."""
     modules: dict[str, Module] = {}
-    for path in sorted((src / package).rglob("*.py")):
+    for path in sorted((src / root).rglob("*.py")):
         name = module_name(path, src)
         found = Module(name)
         tree = ast.parse(path.read_text())

@@ -163,7 +163,7 @@ def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
     try:
         for h in hogs:
             _autogroup_nice(h.pid, -20)
-            _wait_pinned(h.pid, {1})
+            _wait_pinned(h.pid, {1}, bound(30))
         phases = ["hold"] * 41
         args = ["--phase", "150", "--io", "0", "--batch", "64", "--hidden", "1024"]
         job = start(["-n", "2", *WINDOW, SCRIPT, *phases, *args], tmp_path)
@@ -208,7 +208,7 @@ def test_a_cpu_hog_on_rank_1s_core_is_named_with_its_pid(tmp_path):
     assert not job.survivors()
 
 
-def _wait_pinned(pid: int, cores: set[int], timeout: float = 30) -> None:
+def _wait_pinned(pid: int, cores: set[int], timeout: float) -> None:
     """Until the process has set its affinity to `cores` (its interpreter is up)."""
     deadline = time.monotonic() + timeout
     while set(psutil.Process(pid).cpu_affinity()) != cores:
