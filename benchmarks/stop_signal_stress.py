@@ -5,6 +5,11 @@ stops_cleanly.py (the docs' pattern with a cheap step). A run passes when every 
 the same step, the launcher exited with 128+signal within 10 s of the signal, the summary says
 the ranks ended on their own, and no process of the job is left.
 
+`--again`: the same signal is sent a second time, 10-600 ms after the first (coreutils'
+`timeout` passes its SIGTERM to ddpkit and again to ddpkit's process group; a scheduler may
+signal a job step and its processes): one request, so every rank must still save. SIGTERM and
+SIGUSR1 only (SIGINT again after 0.3 s is a person's second Ctrl+C, which kills at once).
+
 `--around-a-failure`: SIGTERM and SIGINT in turn at a random moment while a rank's failure is
 settled and reported (tests/e2e/scripts/runs_out.py: rank 0 runs out of batches and ends, the
 others fail waiting for it). A run passes when the launcher exits within 10 s of the signal,
@@ -12,7 +17,7 @@ with 128+signal, or 1 where the failure was reported first (or killed by the sig
 report is whole: it came as the launcher returned), and no process of the job is left.
 
     python benchmarks/stop_signal_stress.py [--runs 100] [--ranks 3] [--around-a-failure]
-        [--max-restarts 1] [--out FILE]
+        [--max-restarts 1] [--again] [--out FILE]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def signal_job(
     delay: float,
     folder: Path,
     launcher: tuple[str, ...] = (),
+    again: float | None = None,
 ) -> tuple[int | None, str, float, list]:
     """`ddpkit run -n RANKS SCRIPT`, signalled `delay` s after its output shows `mark` (at once
     if it ends first): (exit code, None if it never showed the mark; output; seconds from the
@@ -63,6 +69,10 @@ def signal_job(
         sent = time.monotonic()
         if proc.poll() is None:
             os.kill(proc.pid, sig)
+        if again is not None:
+            time.sleep(again)
+            if proc.poll() is None:
+                os.kill(proc.pid, sig)
         try:
             code = proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -76,11 +86,18 @@ def signal_job(
 
 
 def stopped_run(
-    ranks: int, sig: int, delay: float, folder: Path, launcher: tuple[str, ...] = ()
+    ranks: int,
+    sig: int,
+    delay: float,
+    folder: Path,
+    launcher: tuple[str, ...] = (),
+    again: float | None = None,
 ) -> tuple[bool, str, float]:
     """Signalled after every rank read s.stop_requested: every rank saved at the same step."""
     script = [str(SCRIPTS / "stops_cleanly.py"), str(folder / "state")]
-    code, text, took, left = signal_job(script, ranks, "step 20 ", sig, delay, folder, launcher)
+    code, text, took, left = signal_job(
+        script, ranks, "step 20 ", sig, delay, folder, launcher, again
+    )
     if code is None:
         return False, text, took
     saved = dict(re.findall(r"rank (\d+) saved at step (\d+)", text))
@@ -124,11 +141,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--around-a-failure", action="store_true")
+    parser.add_argument("--again", action="store_true", help="the same signal twice")
     parser.add_argument("--out", type=Path, default=None)
     spares = "passed to ddpkit run: with 1 the job has warm spares (made at its first step)"
     parser.add_argument("--max-restarts", type=int, default=0, help=spares)
     args = parser.parse_args()
     signals = SIGNALS[:2] if args.around_a_failure else SIGNALS
+    if args.again:
+        signals = (signal.SIGTERM, signal.SIGUSR1)
     plan = random.Random(int(time.time()))
     tally: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     times: list[float] = []
@@ -141,7 +161,8 @@ def main() -> None:
                 ok, why, took = failure_run(args.ranks, sig, delay, Path(folder))
             else:
                 launcher = ("--max-restarts", str(args.max_restarts))
-                ok, why, took = stopped_run(args.ranks, sig, delay, Path(folder), launcher)
+                again = plan.uniform(0.01, 0.6) if args.again else None
+                ok, why, took = stopped_run(args.ranks, sig, delay, Path(folder), launcher, again)
         name = signal.Signals(sig).name
         tally[name]["pass" if ok else "fail"] += 1
         times.append(took)
@@ -150,6 +171,8 @@ def main() -> None:
         print(f"run {run:3d} {name:8s} delay {delay:.2f} s: {'pass' if ok else 'FAIL'} "
               f"({took:.2f} s)", flush=True)  # fmt: skip
     what = "a rank's failure" if args.around_a_failure else "s.stop_requested"
+    if args.again:
+        what += " (each signal sent twice, 10-600 ms apart)"
     lines = [f"# {what} under a stop signal at a random moment: {args.runs} runs, "
              f"{args.ranks} ranks, {time.strftime('%Y-%m-%d')}",
              f"{'signal':<8} {'pass':>5} {'fail':>5}"]  # fmt: skip

@@ -7,7 +7,9 @@ scripts that call `ddpkit.setup()`.
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import sys
 from types import TracebackType
 
@@ -42,6 +44,18 @@ class InitTimeoutError(DdpkitError):
     """Peers did not arrive at process-group init within the timeout."""
 
 
+class InitInterrupted(KeyboardInterrupt):
+    """Ctrl+C while `setup()` waited for its peers: a KeyboardInterrupt (the process ends as
+    one does), said in ddpkit's words with the fix, without a traceback."""
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
+
+    def render(self) -> str:
+        return DdpkitError.render(self)  # type: ignore[arg-type]
+
+
 class LaunchError(DdpkitError):
     """The launcher could not start or keep the job running."""
 
@@ -61,6 +75,24 @@ def debug_note(where: str, err: BaseException) -> None:
         print(f"ddpkit: debug: {where}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 
+_interrupted: list[BaseException] = []
+
+
+def _end_as_interrupted() -> None:
+    """Python ends a process that an uncaught KeyboardInterrupt stopped by SIGINT (130 in a
+    shell), but only for the exact class; a Ctrl+C that `InitInterrupted` said ends the same
+    way. Registered when ddpkit is imported, so that it runs after the script's own atexit
+    functions."""
+    if _interrupted:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+atexit.register(_end_as_interrupted)
+
+
 def install_excepthook() -> None:
     """Print an uncaught DdpkitError as `error:` / `fix:` lines instead of a traceback."""
     previous = sys.excepthook
@@ -68,8 +100,10 @@ def install_excepthook() -> None:
         return
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        if isinstance(value, DdpkitError) and not debug_enabled():
+        if isinstance(value, DdpkitError | InitInterrupted) and not debug_enabled():
             print(value.render(), file=sys.stderr, flush=True)
+            if isinstance(value, InitInterrupted):
+                _interrupted.append(value)
             return
         previous(kind, value, tb)
 

@@ -98,8 +98,11 @@ def start(
     command: str = "run",
     run_id: str | None = None,
     cgroup: Path | None = None,
+    wrapper: list[str] = (),
 ) -> Job:
-    """`cgroup`: the launcher starts inside it, as a pod's or a SLURM job's does."""
+    """`cgroup`: the launcher starts inside it, as a pod's or a SLURM job's does. `wrapper`: a
+    command the launcher runs under, as a job script writes it (`timeout 3600 ddpkit run ...`):
+    the Job's process is then the wrapper's."""
     run_id = run_id or "t" + uuid.uuid4().hex[:8]
     log_dir = cwd / "logs"
     extra = (
@@ -107,7 +110,7 @@ def start(
         if command == "run"
         else ["--log-dir", str(log_dir)]
     )
-    cmd = [sys.executable, "-m", "ddpkit", command, *extra, *args]
+    cmd = [*wrapper, sys.executable, "-m", "ddpkit", command, *extra, *args]
     if cgroup is not None:
         cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *cmd]
     environment = {**os.environ, **(env or {})}

@@ -136,6 +136,8 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path):
     job.proc.send_signal(signal.SIGINT)
     took = gone_within(job, 20)
     assert took < bound(5), f"took {took:.1f} s with a 60 s grace"
+    job.finish(5)
+    assert "ranks 0,1 killed at once on a second Ctrl+C" in job.stderr, job.stderr
 
 
 def test_a_sigkilled_launcher_leaves_no_worker_child_or_loader_process(tmp_path):

@@ -49,3 +49,40 @@ def test_a_stop_signal_at_random_moments_saves_every_rank_at_the_same_step(tmp_p
         assert "stopped by ddpkit" not in out, what
         assert re.search(r"ranks? 0-2 saved and exited|every rank ended on its own", out), what
         assert took < bound(10), f"took {took:.1f} s: {what}"
+
+
+def test_a_sigterm_to_timeout_which_sends_it_twice_saves_every_rank_of_4(tmp_path):
+    # `timeout 3600 ddpkit run ...` in a job script: timeout passes its SIGTERM to ddpkit and
+    # again to its process group, ddpkit in it; the repeat is the same request, not a kill
+    job = start(["-n", "4", SCRIPT, str(tmp_path / "state")], tmp_path, wrapper=["timeout", "3600"])
+    job.wait_for("step 20 ", timeout=bound(120))
+    time.sleep(random.uniform(0.0, 1.0))
+    os.kill(job.proc.pid, signal.SIGTERM)
+    took = gone_within(job, bound(30))
+    out = job.stdout + job.stderr
+    saved = {int(r): int(n) for r, n in re.findall(r"rank (\d) saved at step (\d+)", out)}
+    assert sorted(saved) == [0, 1, 2, 3], f"not every rank saved:\n{out}"
+    assert len(set(saved.values())) == 1, out
+    assert job.finish(5) == 128 + signal.SIGTERM, out
+    assert re.search(r"ranks 0-3 saved and exited|every rank ended on its own", out), out
+    assert "killed" not in out, out
+    assert took < bound(10)
+
+
+def test_a_second_sigterm_moments_later_is_the_same_request(tmp_path):
+    # by hand, 20 ms to 0.5 s apart (each was a kill at once): every rank still saves
+    for run, gap in enumerate((0.02, random.uniform(0.1, 0.5))):
+        where = tmp_path / f"run{run}"
+        where.mkdir()
+        job = start(["-n", "3", SCRIPT, str(where / "state")], where)
+        job.wait_for("step 20 ", timeout=bound(120))
+        os.kill(job.proc.pid, signal.SIGTERM)
+        time.sleep(gap)
+        if job.proc.poll() is None:
+            os.kill(job.proc.pid, signal.SIGTERM)
+        gone_within(job, bound(30))
+        out = job.stdout + job.stderr
+        saved = {int(r): int(n) for r, n in re.findall(r"rank (\d) saved at step (\d+)", out)}
+        assert sorted(saved) == [0, 1, 2], f"second SIGTERM {gap:.2f} s later:\n{out}"
+        assert len(set(saved.values())) == 1, out
+        assert job.finish(5) == 128 + signal.SIGTERM, out

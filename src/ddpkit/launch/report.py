@@ -199,7 +199,9 @@ def how_ranks_ended(workers: list[Worker], grace: float) -> str:
         return "every rank ended on its own (exit code 0)"
     groups: dict[str, list[int]] = {}
     for w in workers:
-        if w.stopped:
+        if w.killed_at_once:
+            what = "killed at once on a second Ctrl+C"
+        elif w.stopped:
             what = f"had not ended after {grace:g} s: killed"
         elif w.exit_code == 0:
             what = "ended on its own (exit code 0)"

@@ -206,8 +206,8 @@ def stop_workers(
 ) -> float:
     """Every worker's group and every process of the run: the signal the launcher got (a
     forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
-    `grace`, at once on a second Ctrl+C. Then each worker's exit code is collected. Returns the
-    grace the ranks were given. `keep`: the next attempt's warm spares (ddpkit.launch.spares)."""
+    `grace`, at once on a person's second Ctrl+C (a repeated SIGTERM is one request). Then
+    each worker's exit code is collected. Returns the grace the ranks were given. `keep`: the next attempt's warm spares (ddpkit.launch.spares)."""
     count_before = signals.count
     first = signals.last if signals.count else signal.SIGTERM
     alive = [w for w in workers if w.proc.poll() is None]
@@ -215,8 +215,8 @@ def stop_workers(
         # every rank reads s.stop_requested: it saves its state before it leaves
         grace = max(grace, GRACEFUL_WAIT)
 
-    def impatient() -> bool:  # a second Ctrl+C, or any during a teardown for another reason
-        return signals.count >= 2 or signals.count > count_before
+    def impatient() -> bool:  # a person's second Ctrl+C, or a stop during another teardown
+        return signals.urgent or signals.count > count_before
 
     groups = [w.pgid for w in alive]
     log.debug(
@@ -253,6 +253,7 @@ def stop_workers(
             # after a forwarded signal a rank ends on its own (saved, or as the signal says)
             # unless it outlived the grace; after a failure, ddpkit's teardown ended it
             w.stopped = w.exit_code == -signal.SIGKILL if signals.count else True
+            w.killed_at_once = w.stopped and signals.urgent
     return given
 
 

@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.common import protocol
-from ddpkit.common.ranges import ranks_text
 from ddpkit.env import DistEnv, check_gpu_fit
-from ddpkit.errors import ConfigError, EnvError, InitTimeoutError
+from ddpkit.errors import ConfigError, EnvError
 from ddpkit.train.placement import Placement
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -133,61 +132,6 @@ def choose(env: DistEnv, backend: str) -> tuple[str, torch.device]:
         check_gpu_fit(env, gpus)
         return "nccl", torch.device("cuda", env.local_rank)
     return "gloo", torch.device("cpu")
-
-
-def rendezvous(env: DistEnv, init_timeout: float) -> dist.Store:
-    """A store every rank shares, after every rank has arrived (or an error naming who did
-    not, within init_timeout)."""
-    if env.world_size == 1 and env.launcher == "none":
-        return dist.HashStore()
-    from ddpkit.rank import progress
-
-    progress.set_phase("init")  # the launcher's init watch starts now: it names who never arrives
-    # Under ddpkit run / torchrun the launcher holds the store; otherwise rank 0 does.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    is_server = env.rank == 0 and not agent_store
-    started = time.monotonic()
-    try:
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_server,
-            timeout=timedelta(seconds=init_timeout),
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-    except (RuntimeError, dist.DistNetworkError) as err:
-        where = f"{env.master_addr}:{env.master_port}"
-        if is_server:
-            from ddpkit.common.procs import port_taken_fix
-
-            raise InitTimeoutError(
-                f"rank 0 could not listen on {where}: {err}",
-                fix=port_taken_fix(env.master_port, "the"),
-            ) from err
-        raise InitTimeoutError(
-            f"rank {env.rank} could not reach rank 0 at {where} within {init_timeout:.0f} s",
-            fix="start every rank (ddpkit run does), and check MASTER_ADDR/MASTER_PORT",
-        ) from err
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"ddpkit/arrive/{attempt}/"
-    store.set(f"{prefix}{env.rank}", "1")
-    if store.add(f"{prefix}count", 1) == env.world_size:
-        store.set(f"{prefix}all", "1")  # the last to arrive tells the others: no polling
-    left = max(0.0, started + init_timeout - time.monotonic())
-    try:
-        store.wait([f"{prefix}all"], timedelta(seconds=left))
-    except (RuntimeError, dist.DistError):
-        missing = [r for r in range(env.world_size) if not store.check([f"{prefix}{r}"])]  # type: ignore[attr-defined]  # torch 2.4 stubs lack it
-        arrived = env.world_size - len(missing)
-        raise InitTimeoutError(
-            f"{arrived} of {env.world_size} ranks arrived at init within "
-            f"{init_timeout:.0f} s; missing: rank {ranks_text(missing)}",
-            fix="start every rank with the same WORLD_SIZE (ddpkit run does), or look at "
-            "why the missing ranks stopped before setup()",
-        ) from None
-    return dist.PrefixStore(f"ddpkit/pg/{attempt}", store)
 
 
 def leave(place: Placement, failed: bool, graphed: bool) -> None:

@@ -30,6 +30,7 @@ from ddpkit.common import protocol
 from ddpkit.env import DistEnv, read_env
 from ddpkit.errors import ConfigError, install_excepthook
 from ddpkit.train import (
+    arrival,
     checkpoint,
     comm,
     fitting,
@@ -331,7 +332,7 @@ def setup(
     if graphs:
         # s.graph with DDP: PyTorch's CUDA-graphs notes want NCCL's async error handling off
         os.environ.setdefault(ASYNC_VARIABLE, "0")
-    store = joining.rendezvous(env, init_timeout)
+    store = arrival.rendezvous(env, init_timeout)
     kwargs: dict[str, Any] = {}
     if group_timeout is not None:
         kwargs["timeout"] = group_timeout
