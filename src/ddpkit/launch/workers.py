@@ -207,7 +207,8 @@ def stop_workers(
     """Every worker's group and every process of the run: the signal the launcher got (a
     forwarded Ctrl+C is SIGINT, so scripts see KeyboardInterrupt), or SIGTERM; SIGKILL after
     `grace`, at once on a person's second Ctrl+C (a repeated SIGTERM is one request). Then
-    each worker's exit code is collected. Returns the grace the ranks were given. `keep`: the next attempt's warm spares (ddpkit.launch.spares)."""
+    each worker's exit code is collected. Returns the grace the ranks were given. `keep`: the
+    next attempt's warm spares (ddpkit.launch.spares)."""
     count_before = signals.count
     first = signals.last if signals.count else signal.SIGTERM
     alive = [w for w in workers if w.proc.poll() is None]
