@@ -24,8 +24,10 @@ class Terminal:
         # COLUMNS and LINES (pytest-xdist sets 80x24) would override the pane's size for
         # programs that ask for it (rich does); the tmux server may hold them from whichever
         # test started it, so they are unset in the command itself
+        # `trap : INT`: Ctrl+C reaches the command (its handlers reset to the default), and the
+        # shell lives on to write the exit code (a shell without it dies with its child)
         line = (
-            f"unset COLUMNS LINES; {shlex.join(command)}; "
+            f"trap : INT; unset COLUMNS LINES; {shlex.join(command)}; "
             f"echo $? > {shlex.quote(str(self.done))}; sleep 600"
         )
         env = {
