@@ -11,6 +11,7 @@ import atexit
 import os
 import signal
 import sys
+from collections.abc import Callable
 from types import TracebackType
 
 
@@ -93,8 +94,12 @@ def _end_as_interrupted() -> None:
 atexit.register(_end_as_interrupted)
 
 
-def install_excepthook() -> None:
-    """Print an uncaught DdpkitError as `error:` / `fix:` lines instead of a traceback."""
+def install_excepthook(
+    fix_for: Callable[[BaseException, TracebackType | None], str] | None = None,
+) -> None:
+    """Print an uncaught DdpkitError as `error:` / `fix:` lines instead of a traceback; after
+    any other error's traceback, `fix_for`'s line where it has one (a script run without
+    `ddpkit run`, whose report would say it)."""
     previous = sys.excepthook
     if getattr(previous, "_ddpkit", False):
         return
@@ -106,6 +111,9 @@ def install_excepthook() -> None:
                 _interrupted.append(value)
             return
         previous(kind, value, tb)
+        fix = fix_for(value, tb) if fix_for is not None else ""
+        if fix:
+            print(f"ddpkit: fix: {fix}", file=sys.stderr, flush=True)
 
     hook._ddpkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook

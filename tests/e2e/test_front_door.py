@@ -4,6 +4,7 @@ ddpkit's words (a real terminal), and keeps the stated timeout."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -87,3 +88,62 @@ def test_a_rank_started_by_hand_keeps_the_stated_init_timeout(tmp_path, rank):
         assert "error: 1 of 2 ranks arrived at init within 4 s; missing: rank 1" in out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert "frame #" not in out.stderr, out.stderr
+
+
+GUIDE = SCRIPTS / "guide" / "train.py"
+
+
+def ddpkit_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ddpkit", *args]
+
+
+def apply_fixes(lines: list[str], fixes: list[tuple[int, str]]) -> list[str]:
+    """Do what the fix lines' code says, as their reader does: a statement replaces its line, a
+    keyword the same keyword, an assignment the same name's; a name that is new is assigned
+    first thing in main()."""
+    new_names = []
+    for where, code in sorted(fixes, reverse=True):
+        line = lines[where - 1]
+        indent = line[: len(line) - len(line.lstrip())]
+        keyword = re.match(r"(\w+)=[^=]", code)
+        assigned = re.match(r"(\w+) = ", code)
+        if code.startswith("if "):
+            lines[where - 1] = indent + code
+        elif keyword:
+            given = rf"{keyword.group(1)}=(\[[^\]]*\]|\"[^\"]*\"|'[^']*')"
+            lines[where - 1] = re.sub(given, code, line)
+        elif assigned and re.match(rf"\s*{assigned.group(1)} = ", line):
+            lines[where - 1] = indent + code
+        elif assigned:
+            new_names.append(code)
+    first = next(i for i, x in enumerate(lines) if x.startswith("def main"))
+    return lines[: first + 1] + ["    " + code for code in new_names] + lines[first + 1 :]
+
+
+def test_the_guides_script_without_a_gpu_runs_after_the_doctors_fixes_in_one_round(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(GUIDE.read_text())
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    doctor = subprocess.run(ddpkit_command("doctor", "--json", "--no-smoke", "train.py"),
+                            env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=bound(120))  # fmt: skip
+    assert doctor.returncode == 1, doctor.stderr
+    found = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "script"]
+    named = sorted(int(f["where"].split(":")[1]) for f in found if f["level"] == "error")
+    # set_device(rank % num_gpus), nccl, device = 'cuda', device_ids=[rank]: every line that
+    # fails on this machine, before any of them has failed
+    assert named == [16, 17, 18, 21], json.dumps(found, indent=1)
+    fixes = [(int(f["where"].split(":")[1]), code) for f in found
+             for code in re.findall(r"`([^`]+)`", f["fix"])]  # fmt: skip
+    script.write_text("\n".join(apply_fixes(script.read_text().splitlines(), fixes)) + "\n")
+    again = subprocess.run(ddpkit_command("doctor", "--no-smoke", "train.py"), env=env,
+                           cwd=tmp_path, capture_output=True, text=True,
+                           timeout=bound(120))  # fmt: skip
+    assert "ERROR" not in again.stdout, script.read_text() + again.stdout
+    run = subprocess.run(
+        ddpkit_command("run", "--nproc_per_node=2", "--master_port=1010", "train.py"),
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=bound(120),
+    )  # fmt: skip
+    assert run.returncode == 0, script.read_text() + run.stdout + run.stderr
+    assert "saved model.pt" in run.stdout
+    assert (tmp_path / "model.pt").exists()

@@ -320,3 +320,56 @@ def test_the_report_says_the_script_was_scanned_even_when_nothing_was_found(tmp_
 
     text = render(gather(), [], None, 0, 0, {"path": "train.py", "findings": 0})
     assert "scanned train.py (read, not run): nothing found" in text
+
+
+def scan_here(tmp_path, text: str, gpus: int) -> list[str]:
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    return [f"{f.level} {f.what}" for f in script.scan(str(path), gpus=gpus)]
+
+
+def test_on_a_machine_without_a_gpu_every_line_that_will_fail_there_is_an_error(tmp_path):
+    said = scan_here(tmp_path, NANOGPT_STYLE, gpus=0)
+    assert "error backend 'nccl' is hard-coded and this machine has no GPU" in said
+    assert "error torch.cuda.set_device(device) and this machine has no GPU" in said
+    assert (
+        "error the script sends work to CUDA (f'cuda:{ddp_local_rank}') and this machine has no GPU"
+        in said
+    )
+    assert "error device_ids=[ddp_local_rank] and this machine has no GPU" in said
+    guide = "import torch\ndevice = 'cuda'\nx = torch.ones(1).to(device)\n"
+    assert scan_here(tmp_path, guide, gpus=0) == [
+        "error the script sends work to CUDA ('cuda') and this machine has no GPU"
+    ]
+    assert scan_here(tmp_path, guide, gpus=1) == [], "on a GPU machine it runs"
+
+
+def test_cuda_chosen_only_where_it_is_available_is_not_a_finding(tmp_path):
+    text = """import os, torch
+local_rank = int(os.environ['LOCAL_RANK'])
+if torch.cuda.is_available(): torch.cuda.set_device(local_rank)
+device = torch.device('cuda', local_rank) if torch.cuda.is_available() else torch.device('cpu')
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Linear(2, 2).to(device),
+    device_ids=[local_rank] if torch.cuda.is_available() else None)
+"""
+    assert scan_here(tmp_path, text, gpus=0) == []
+
+
+def test_model_module_on_what_s_wrap_returned_is_a_warning_with_unwrap(tmp_path):
+    text = (
+        "import ddpkit\ns = ddpkit.setup()\nmodel = s.wrap(net)\nsd = model.module.state_dict()\n"
+    )
+    assert scan_here(tmp_path, text, gpus=1) == ["warning model.module is DDP's attribute"]
+
+
+def test_a_plain_shuffled_dataloader_beside_s_wrap_is_unsharded(tmp_path):
+    text = """import ddpkit, torch
+s = ddpkit.setup()
+model = s.wrap(torch.nn.Linear(2, 2))
+train = torch.utils.data.DataLoader(range(96), batch_size=4, shuffle=True)
+"""
+    assert scan_here(tmp_path, text, gpus=1) == [
+        "warning DistributedDataParallel without a DistributedSampler"
+    ]
+    assert scan_here(tmp_path, text.replace("torch.utils.data.DataLoader(", "s.loader("), 1) == []

@@ -39,7 +39,7 @@ def test_rank_modulo_device_count_without_a_gpu_names_the_cause():
     rank = 1
     err, tb = raised(lambda: torch.cuda.set_device(rank % torch.cuda.device_count()))
     assert isinstance(err, ZeroDivisionError)
-    assert fix_for(err, tb).startswith("torch.cuda.device_count() is 0: no GPU is visible here")
+    assert fix_for(err, tb).startswith("the divisor is 0: torch.cuda.device_count() is 0, and")
 
 
 def test_an_unrelated_error_gets_no_fix():
@@ -87,3 +87,69 @@ def test_a_port_in_use_that_torch_does_not_name_is_read_from_the_scripts_store_c
     with pytest.raises(RuntimeError) as raised_here:
         TCPStore("127.0.0.1", int(argv[1]), 2, True)
     assert _port_of_call(raised_here.value.__traceback__) == 4321
+
+
+# -- the classic guide's script on a machine with no GPU: each failure's fix, the first time --
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+
+
+def guide_divides_by_the_gpus_it_counted():
+    rank = 1
+    num_gpus = torch.cuda.device_count()
+    torch.cuda.set_device(rank % num_gpus)
+
+
+def docs_divide_by_n():
+    n = torch.cuda.device_count()
+    rank = 1
+    return rank % n
+
+
+def guide_moves_to_cuda():
+    device = "cuda"
+    return torch.nn.Linear(2, 2).to(device)
+
+
+@no_gpu
+@pytest.mark.parametrize("script", [guide_divides_by_the_gpus_it_counted, docs_divide_by_n])
+def test_a_modulo_by_a_gpu_count_kept_in_a_name_is_followed_to_device_count(script):
+    err, tb = raised(script)
+    fix = fix_for(err, tb)
+    assert fix.startswith("the divisor is 0: "), fix
+    assert "= torch.cuda.device_count() at test_hints.py:" in fix
+    assert "torch.cuda.set_device(local_rank)" in fix
+
+
+@no_gpu
+def test_set_device_without_a_gpu_says_set_it_only_where_there_is_one():
+    err, tb = raised(lambda: torch.cuda.set_device(0))
+    assert "if torch.cuda.is_available(): torch.cuda.set_device(local_rank)" in fix_for(err, tb)
+
+
+@no_gpu
+def test_work_sent_to_cuda_without_a_gpu_names_where_the_device_was_chosen():
+    err, tb = raised(guide_moves_to_cuda)
+    fix = fix_for(err, tb)
+    assert fix.startswith("no GPU is visible here, and this line sends work to CUDA (device = "), (
+        fix
+    )
+    assert "if torch.cuda.is_available() else torch.device('cpu')" in fix
+
+
+def test_ddp_given_device_ids_for_a_cpu_model_says_pass_none_on_cpus():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        err, tb = raised(
+            lambda: torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), device_ids=[0])
+        )
+    finally:
+        dist.destroy_process_group()
+    assert "device_ids=[local_rank] if torch.cuda.is_available() else None" in fix_for(err, tb)
+
+
+def test_model_module_at_world_size_one_says_use_unwrap():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))  # what s.wrap gives back alone
+    err, tb = raised(lambda: model.module)
+    assert "use ddpkit.unwrap(model)" in fix_for(err, tb)

@@ -52,7 +52,20 @@ def scan(
     for call in calls:
         func = text_of[id(call)]
         for kw in call.keywords:
-            if kw.arg == "device_ids" and _global_rank(kw.value):
+            if kw.arg == "device_ids" and gpus == 0 and not _none(kw.value):
+                findings.append(
+                    Finding(
+                        "error",
+                        "script",
+                        f"device_ids={ast.unparse(kw.value)} and this machine has no GPU",
+                        "DistributedDataParallel takes device_ids only for a model on a GPU; "
+                        "on the CPU it raises",
+                        "pass `device_ids=[local_rank] if torch.cuda.is_available() else None` "
+                        "with `local_rank = int(os.environ['LOCAL_RANK'])`, or s.wrap(model)",
+                        at(call),
+                    )
+                )
+            elif kw.arg == "device_ids" and _global_rank(kw.value):
                 findings.append(
                     Finding(
                         "error",
@@ -64,7 +77,20 @@ def scan(
                         at(call),
                     )
                 )
-        if func.endswith("set_device") and call.args and _global_rank(call.args[0]):
+        if func.endswith("cuda.set_device") and gpus == 0 and not _guarded(tree, call):
+            findings.append(
+                Finding(
+                    "error",
+                    "script",
+                    f"{func}({', '.join(map(ast.unparse, call.args))}) and this machine has no GPU",
+                    "there is no CUDA device to set: it raises (and `rank % "
+                    "torch.cuda.device_count()` divides by 0)",
+                    "set it only where there is one: `if torch.cuda.is_available(): "
+                    "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))`, or ddpkit.setup()",
+                    at(call),
+                )
+            )
+        elif func.endswith("set_device") and call.args and _global_rank(call.args[0]):
             findings.append(
                 Finding(
                     "warning",
@@ -87,11 +113,14 @@ def scan(
                     "init_process_group('nccl') fails here: NCCL needs a CUDA GPU per rank"
                     if here
                     else "the script cannot run on a machine without GPUs (a laptop, CI)",
-                    "use backend='gloo' on CPUs, pick the backend from the machine "
-                    "('nccl' if torch.cuda.is_available() else 'gloo'), or use ddpkit.setup()",
+                    "pick the backend from the machine: `backend='nccl' if "
+                    "torch.cuda.is_available() else 'gloo'`, or use ddpkit.setup()",
                     at(call),
                 )
             )
+    if gpus == 0:
+        findings += _cuda_devices(tree, at)
+    findings += _module_of_wrapped(tree, source, at)
     docstrings = _docstrings(tree)
     for node in ast.walk(tree):
         launches = (
@@ -134,7 +163,12 @@ def scan(
             )
         )
     findings += _local_rank_argument(tree, source, at)
-    ddp = [c for c in calls if text_of[id(c)].split(".")[-1] in ("DistributedDataParallel", "DDP")]
+    ddp = [
+        c
+        for c in calls
+        if text_of[id(c)].split(".")[-1] in ("DistributedDataParallel", "DDP")
+        or (text_of[id(c)].endswith(".wrap") and "ddpkit" in source)  # s.wrap: DDP at N > 1
+    ]
     samplers = [c for c in calls if text_of[id(c)].endswith("DistributedSampler")]
     loaders = [
         c
@@ -143,14 +177,15 @@ def scan(
     ]
     # only a DataLoader without a sampler is a mistake: scripts that sample their own batches
     # per rank (nanoGPT's get_batch with a per-rank seed) have none to give
-    if ddp and loaders and not samplers and "loader(" not in source:
+    if ddp and loaders and not samplers and ".loader(" not in source:
         findings.append(
             Finding(
                 "warning",
                 "script",
                 "DistributedDataParallel without a DistributedSampler",
                 "every rank trains on the whole data set: N copies of the same work",
-                "pass sampler=DistributedSampler(dataset) to the DataLoader, or use s.loader()",
+                "pass sampler=DistributedSampler(dataset) to the DataLoader (and no "
+                "shuffle=True: the sampler shuffles), or use s.loader(dataset, batch_size)",
                 at(loaders[0]),
             )
         )
@@ -234,3 +269,92 @@ def _global_rank(node: ast.AST) -> bool:
     """An expression built from a name like rank / args.rank / dist.get_rank(), not local."""
     text = ast.unparse(node).lower()
     return "rank" in text and "local" not in text
+
+
+def _none(node: ast.AST) -> bool:
+    """`None`, or an expression that is None where there is no GPU (`[...] if
+    torch.cuda.is_available() else None`)."""
+    if isinstance(node, ast.Constant) and node.value is None:
+        return True
+    return isinstance(node, ast.IfExp) and "is_available" in ast.unparse(node.test)
+
+
+def _guarded(tree: ast.AST, call: ast.Call) -> bool:
+    """The call sits under an `if` that asks whether CUDA is there."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If | ast.IfExp) and "is_available" in ast.unparse(node.test):
+            body = node.body if isinstance(node, ast.If) else [node.body]
+            if any(call in list(ast.walk(b)) for b in body):
+                return True
+    return False
+
+
+def _cuda_devices(tree: ast.AST, at: Any) -> list[Finding]:
+    """Work sent to CUDA unconditionally (`device = 'cuda'`, `.to('cuda')`, `.cuda()`,
+    `torch.device('cuda')`), said once at its first place, on a machine with no GPU."""
+    for node in ast.walk(tree):
+        plain = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        named = plain and node.value.split(":")[0] == "cuda"  # type: ignore[union-attr]
+        formatted = (  # f'cuda:{local_rank}' (nanoGPT's)
+            isinstance(node, ast.JoinedStr)
+            and node.values
+            and isinstance(node.values[0], ast.Constant)
+            and str(node.values[0].value).startswith("cuda")
+        )
+        called = (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "cuda"
+        )
+        if (named or called or formatted) and not _guarded(tree, node):  # type: ignore[arg-type]
+            what = f"'{node.value}'" if named else ast.unparse(node)  # type: ignore[union-attr]
+            return [
+                Finding(
+                    "error",
+                    "script",
+                    f"the script sends work to CUDA ({what}) and this machine has no GPU",
+                    "torch raises at the first tensor or model moved there ('Torch not compiled "
+                    "with CUDA enabled', or no CUDA GPUs are available)",
+                    "choose the device from the machine: `device = torch.device('cuda', "
+                    "local_rank) if torch.cuda.is_available() else torch.device('cpu')`, and "
+                    "`.to(device)` in place of .cuda(); or ddpkit.setup()'s s.device",
+                    at(node),
+                )
+            ]
+    return []
+
+
+def _module_of_wrapped(tree: ast.AST, source: str, at: Any) -> list[Finding]:
+    """`model.module` on what s.wrap returned: DDP's attribute, which a one-process job (where
+    s.wrap gives back the model itself) does not have."""
+    if "ddpkit" not in source:
+        return []
+    wrapped = {
+        t.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Call)
+        and ast.unparse(n.value.func).endswith(".wrap")
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "module"
+            and isinstance(node.value, ast.Name)
+            and node.value.id in wrapped
+        ):
+            return [
+                Finding(
+                    "warning",
+                    "script",
+                    f"{ast.unparse(node)} is DDP's attribute",
+                    "with one process s.wrap gives back the model itself, which has no "
+                    ".module: the script fails at world size 1",
+                    f"use ddpkit.unwrap({node.value.id}) (the model inside DDP or FSDP, or "
+                    "the model itself)",
+                    at(node),
+                )
+            ]
+    return []

@@ -3,7 +3,9 @@ the model and the machine can still be asked): the bootstrap writes it into the 
 record, and the launcher's report prints it under the root cause.
 
 * nccl asked for where it cannot run (no GPU, a CPU build of torch);
-* `rank % torch.cuda.device_count()` on a machine where no GPU is visible;
+* a GPU assumed where none is visible (`rank % num_gpus`, set_device, device='cuda', DDP's
+  device_ids): ddpkit.rank.gpu_assumed;
+* `model.module` at world size 1, where s.wrap gives back the model itself;
 * DDP's unused parameters, named (torch gives their indices) with `find_unused_parameters=True`;
 * a model that differs on one rank (DDP's shape check), with the parameter named;
 * a debugger on a rank that has no terminal (BdbQuit: `--stdin N`);
@@ -21,6 +23,8 @@ import re
 import sys
 from types import TracebackType
 from typing import Any
+
+from ddpkit.rank import gpu_assumed
 
 _PORT = re.compile(r"port:? (\d+)")
 _UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
@@ -43,11 +47,14 @@ def _fix_for(error: BaseException, tb: TracebackType | None) -> str:
             "this machine has no CUDA GPU for NCCL (or this torch build has no NCCL): use "
             "backend='gloo' on CPUs, or ddpkit.setup(), which picks nccl or gloo by itself"
         )
-    if isinstance(error, ZeroDivisionError) and "device_count" in _line_of(tb):
+    no_gpu = gpu_assumed.fix_for(error, tb)
+    if no_gpu:
+        return no_gpu
+    if isinstance(error, AttributeError) and str(error).endswith("has no attribute 'module'"):
         return (
-            "torch.cuda.device_count() is 0: no GPU is visible here (check CUDA_VISIBLE_DEVICES "
-            "and nvidia-smi); on CPUs use gloo and no set_device, or ddpkit.setup(), which "
-            "picks the device from LOCAL_RANK"
+            "`model.module` is DDP's: with one process s.wrap (and ddpkit.setup) leave the "
+            "model as it is, so there is no .module; use ddpkit.unwrap(model), which is the "
+            "model inside DDP or FSDP and the model itself otherwise, at any world size"
         )
     if type(error).__name__ == "BdbQuit" and os.environ.get("_DDPKIT_STATE_DIR"):
         rank = os.environ.get("RANK", "0")
@@ -92,15 +99,6 @@ def _fix_for(error: BaseException, tb: TracebackType | None) -> str:
             "code path and configuration, nothing that depends on the rank)"
         )
     return ""
-
-
-def _line_of(tb: TracebackType | None) -> str:
-    """The source line the error was raised at (the innermost frame)."""
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return ""
-    return linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
 
 
 def _parameter_names(tb: TracebackType | None, indices: list[int]) -> list[str]:

@@ -299,7 +299,9 @@ def setup(
     single process when there is none. `timeout` bounds init (peers must arrive within it) and
     is the process group's collective timeout; default: 300 s for init
     (DDPKIT_INIT_TIMEOUT), torch's default for collectives."""
-    install_excepthook()
+    from ddpkit.rank.hints import fix_for
+
+    install_excepthook(fix_for)
     backend = joining.requested_backend(backend)
     group_timeout = joining.group_timeout(timeout)
     init_timeout = (
