@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.e2e import terminal
-from tests.e2e.helpers import SCRIPTS, bound
+from tests.e2e.helpers import SCRIPTS, bound, start
 
 pytestmark = pytest.mark.timeout(200)
 BY_HAND = str(SCRIPTS / "joins_by_hand.py")
@@ -147,3 +147,22 @@ def test_the_guides_script_without_a_gpu_runs_after_the_doctors_fixes_in_one_rou
     assert run.returncode == 0, script.read_text() + run.stdout + run.stderr
     assert "saved model.pt" in run.stdout
     assert (tmp_path / "model.pt").exists()
+
+
+def test_a_plain_dataloader_that_every_rank_iterates_whole_is_said_once_with_the_fix(tmp_path):
+    job = start(["-n", "2", str(SCRIPTS / "forgets_the_sampler.py")], tmp_path)
+    assert job.finish(bound(90)) == 0, job.stderr
+    said = [line for line in job.stderr.splitlines() if "iterates the whole data set" in line]
+    assert len(said) == 1, job.stderr
+    assert "the DataLoader iterated at forgets_the_sampler.py:22 (RandomSampler over 96" in said[0]
+    assert "each rank iterates all 24 batches where its share is about 12" in said[0]
+    assert "use s.loader(dataset, batch_size=...)" in said[0]
+    assert "sampler=DistributedSampler(dataset)" in said[0]
+    assert not job.survivors()
+
+
+def test_s_loader_and_an_evaluation_on_rank_0_alone_are_not_called_unsharded(tmp_path):
+    job = start(["-n", "2", str(SCRIPTS / "forgets_the_sampler.py"), "--fixed"], tmp_path)
+    assert job.finish(bound(90)) == 0, job.stderr
+    assert "epoch 1: 24 steps" in job.stdout, "s.loader: 12 steps an epoch on each of 2 ranks"
+    assert "iterates the whole data set" not in job.stderr

@@ -17,14 +17,18 @@ class ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     triggered by this."""
 
     def __init__(self) -> None:
-        from ddpkit.rank import init_watch, sampler_watch, steps
+        from ddpkit.rank import init_watch, loader_watch, sampler_watch, steps
+
+        def watch_dataloader(module: ModuleType) -> None:
+            steps.patch_dataloader(module)  # time each batch
+            loader_watch.patch_loader(module)  # say when every rank has all of the data
 
         self.targets = {
             "torch.distributed.distributed_c10d": init_watch.patch_init,
             "torch.utils.data.distributed": sampler_watch.patch_sampler,
             "torch.autograd": steps.patch_backward,
             "torch.optim.optimizer": steps.install_optimizer_hooks,
-            "torch.utils.data.dataloader": steps.patch_dataloader,
+            "torch.utils.data.dataloader": watch_dataloader,
         }
 
     def watch_loaded(self) -> None:

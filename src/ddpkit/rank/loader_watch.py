@@ -1,0 +1,122 @@
+"""A notice, once, when every rank trains on the whole data set: a DataLoader with no
+DistributedSampler (a plain `DataLoader(dataset, shuffle=True)` beside `s.wrap` or DDP) gives
+each rank all of the data, so the job does N copies of the same work and an epoch takes N
+times the steps it should. torch says nothing; the script ends with exit 0.
+
+Installed by the bootstrap when torch.utils.data.dataloader is imported. Each rank that starts
+iterating such a loader while training (gradients on, a process group of more than one) writes
+where in its state file `rank<R>.unsharded`; rank 0, once its own loader is such, looks for the
+other ranks' files of its node for a while and says it when every one has written it (a loader
+that rank 0 alone iterates, an evaluation on rank 0, is not the mistake).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpkit.common import protocol
+
+UNSHARDED = "unsharded"  # the rank's file: where it iterates a loader with no sharding
+LOOK_FOR_S = 120.0  # how long rank 0 looks for its peers' files
+_state = {"written": False}
+
+
+def patch_loader(module: Any) -> None:
+    loader = getattr(module, "DataLoader", None)
+    original = getattr(loader, "__iter__", None)
+    if original is None or getattr(original, "_ddpkit_watched", False):
+        return
+    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if not state_dir or rank is None or world < 2:
+        return
+    if os.environ.get(protocol.RANK_PID) != str(os.getpid()):
+        return  # a child of the rank (a DataLoader worker) says nothing
+
+    def watched_iter(self: Any) -> Any:
+        if not _state["written"]:
+            try:
+                _look(self, Path(state_dir), rank, sys._getframe(1))
+            except Exception as err:  # never break the script's loop
+                from ddpkit.errors import debug_note
+
+                debug_note("watching a DataLoader's sharding", err)
+        return original(self)
+
+    watched_iter._ddpkit_watched = True  # type: ignore[attr-defined]
+    loader.__iter__ = watched_iter  # type: ignore[union-attr]
+
+
+def _look(loader: Any, state_dir: Path, rank: str, caller: Any) -> None:
+    what = unsharded(loader)
+    if what is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not torch.is_grad_enabled() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return  # an evaluation, or no job of several ranks
+    _state["written"] = True
+    site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    batches = len(loader) if hasattr(loader, "__len__") else 0
+    protocol.state_path(state_dir, rank, UNSHARDED).write_text(f"{site}\t{what}\t{batches}\n")
+    if rank == "0":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        world = dist.get_world_size()
+        threading.Thread(
+            target=_say_when_all, args=(state_dir, local, world), daemon=True,
+            name="ddpkit-loader-watch",
+        ).start()  # fmt: skip
+
+
+def unsharded(loader: Any) -> str | None:
+    """'RandomSampler over 192 samples' for a map-style loader whose sampler shards nothing;
+    None for a DistributedSampler (or any sampler of the script's own), an IterableDataset
+    (it shards itself, or not, in ways not seen from here)."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return None
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", sampler)
+    if type(inner) not in (RandomSampler, SequentialSampler):
+        return None
+    try:
+        size = len(loader.dataset)
+    except TypeError:
+        return None
+    return f"{type(inner).__name__} over {size} samples"
+
+
+def _say_when_all(state_dir: Path, local: int, world: int) -> None:
+    deadline = time.monotonic() + LOOK_FOR_S
+    first = state_dir / f"rank0.{UNSHARDED}"
+    while time.monotonic() < deadline:
+        found = [protocol.state_path(state_dir, r, UNSHARDED) for r in _ranks_here(state_dir)]
+        if len([f for f in found if f.exists()]) >= local:
+            site, what, batches = first.read_text().rstrip("\n").split("\t")
+            steps = f" (each rank iterates all {batches} batches where its share is about "
+            steps += f"{-(-int(batches) // world)})" if int(batches) else ")"
+            print(
+                "ddpkit: every rank iterates the whole data set of the DataLoader iterated at "
+                f"{site} "
+                f"({what}, no DistributedSampler): the job does the same work {world} times"
+                f"{steps}; use s.loader(dataset, batch_size=...) (it shards, shuffles and sets "
+                "the epoch), or DataLoader(dataset, sampler=DistributedSampler(dataset)) "
+                "without shuffle=True and sampler.set_epoch(epoch) before each epoch",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        time.sleep(0.5)
+
+
+def _ranks_here(state_dir: Path) -> list[str]:
+    """The ranks that write in this node's state folder (their phase files)."""
+    return [p.name.split(".")[0][4:] for p in state_dir.glob(f"rank*.{protocol.PHASE}")]
