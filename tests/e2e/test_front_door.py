@@ -166,3 +166,42 @@ def test_s_loader_and_an_evaluation_on_rank_0_alone_are_not_called_unsharded(tmp
     assert job.finish(bound(90)) == 0, job.stderr
     assert "epoch 1: 24 steps" in job.stdout, "s.loader: 12 steps an epoch on each of 2 ranks"
     assert "iterates the whole data set" not in job.stderr
+
+
+TUTORIAL = SCRIPTS / "tutorial" / "multigpu.py"
+
+
+def test_the_tutorials_mp_spawn_under_ddpkit_run_is_named_a_double_launch_and_both_ways_out_work(
+    tmp_path,
+):
+    job = start(["-n", "2", str(TUTORIAL), "2", "1"], tmp_path)
+    assert job.finish(bound(90)) == 1, job.stderr
+    assert re.search(r"root cause: rank [01] exited with code 1 \(DoubleLaunchError: "
+                     r"mp\.spawn\(main, nprocs=2\) at multigpu\.py:\d+ starts ranks of its own",
+                     job.stderr), job.stderr  # fmt: skip
+    assert "EADDRINUSE" not in job.stderr
+    assert "ddpkit kill" not in job.stderr, "never: kill the job being reported"
+    fix = re.search(r"fix: (.*)", job.stderr).group(1)
+    assert "`python multigpu.py ...` (mp.spawn starts the ranks)" in fix
+    assert not job.survivors()
+    # way out 1: the script as it is, mp.spawn its launcher
+    alone = subprocess.run([sys.executable, str(TUTORIAL), "2", "1"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=bound(90))  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    assert "[GPU1] Epoch 1 | Steps: 4" in alone.stdout
+    # way out 2: ddpkit run starts the ranks; the fix's call replaces mp.spawn
+    call = re.search(r"`(main\(int\(os\.environ\['LOCAL_RANK'\]\), "
+                     r"int\(os\.environ\['WORLD_SIZE'\]\)), \.\.\.\)`", fix)  # fmt: skip
+    assert call, fix
+    source = TUTORIAL.read_text()
+    spawned = re.search(
+        r"mp\.spawn\(\s*main,\s*args=\(world_size, (args\..*?)\),\s*nprocs=world_size,?\s*\)",
+        source,
+        re.S,
+    )
+    edited = tmp_path / "multigpu.py"
+    edited.write_text(source.replace(spawned.group(0), f"{call.group(1)}, {spawned.group(1)})"))
+    job = start(["-n", "2", str(edited), "2", "1"], tmp_path)
+    assert job.finish(bound(90)) == 0, edited.read_text() + job.stderr
+    assert "[rank 1] [GPU1] Epoch 1 | Steps: 4" in job.stdout
+    assert "MASTER_PORT" in job.stderr, "the script's own port replaced, and said"

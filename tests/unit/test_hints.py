@@ -153,3 +153,25 @@ def test_model_module_at_world_size_one_says_use_unwrap():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))  # what s.wrap gives back alone
     err, tb = raised(lambda: model.module)
     assert "use ddpkit.unwrap(model)" in fix_for(err, tb)
+
+
+def test_a_port_held_by_the_job_itself_never_says_kill_that_job(monkeypatch):
+    import socket
+
+    from ddpkit.common import protocol
+    from ddpkit.common.procs import port_taken_fix
+
+    holder = socket.socket()  # this process: a rank of job j1 that holds the port
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        monkeypatch.setattr("ddpkit.common.procs._environ", lambda proc: {protocol.JOB: "j1"})
+        monkeypatch.setenv(protocol.JOB, "j2")
+        assert "`ddpkit kill j1` ends that job" in port_taken_fix(port), "another job's"
+        monkeypatch.setenv(protocol.JOB, "j1")
+        fix = port_taken_fix(port)
+    finally:
+        holder.close()
+    assert "a process of this same job" in fix
+    assert "ddpkit kill" not in fix

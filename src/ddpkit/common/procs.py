@@ -131,6 +131,9 @@ def port_taken_fix(port: int, whose: str = "the script's") -> str:
     """What to do about a port another process holds, naming the holder where it can be seen."""
     holder, job = port_holder(port)
     by = f"port {port} is held by {holder}" if holder else f"port {port} is held by another process"
+    if job is not None and job == os.environ.get(protocol.JOB):  # never: kill the job itself
+        by += ", a process of this same job (another rank, or a process a rank started)"
+        job = None
     kill = f"; `ddpkit kill {job}` ends that job" if job and ":" not in job else ""
     return (
         f"{by}: let ddpkit run choose the port (drop {whose} own MASTER_PORT: ddpkit run gives "

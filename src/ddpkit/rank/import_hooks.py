@@ -17,7 +17,7 @@ class ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     triggered by this."""
 
     def __init__(self) -> None:
-        from ddpkit.rank import init_watch, loader_watch, sampler_watch, steps
+        from ddpkit.rank import init_watch, loader_watch, sampler_watch, spawn_watch, steps
 
         def watch_dataloader(module: ModuleType) -> None:
             steps.patch_dataloader(module)  # time each batch
@@ -29,6 +29,7 @@ class ImportWatcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             "torch.autograd": steps.patch_backward,
             "torch.optim.optimizer": steps.install_optimizer_hooks,
             "torch.utils.data.dataloader": watch_dataloader,
+            "torch.multiprocessing.spawn": spawn_watch.patch_spawn,  # a launch in a launch
         }
 
     def watch_loaded(self) -> None:
