@@ -309,3 +309,30 @@ def test_the_banded_edit_distance_equals_the_full_one_within_its_limit():
         expected = full(a, b)
         assert edit_distance(a, b) == expected
         assert edit_distance(a, b, limit) == (expected if expected <= limit else limit + 1)
+
+
+@pytest.mark.parametrize(
+    ("after", "fix"),
+    [
+        (["--nproc_per_node=3"], "`ddpkit run --nproc_per_node=3 short.py`"),
+        (["--lr", "3", "--master-port", "1234"], "`ddpkit run --master-port 1234 short.py --lr 3`"),
+        (
+            ["--max-restarts=2", "--epochs", "1"],
+            "`ddpkit run --max-restarts=2 short.py --epochs 1`",
+        ),
+    ],
+)
+def test_ddpkit_runs_own_options_after_the_script_are_an_error_with_the_order_fixed(
+    tmp_path, monkeypatch, after, fix
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "short.py").write_text("print('hi')\n")
+    with pytest.raises(ConfigError, match="comes after the script short.py") as raised:
+        parse(["short.py", *after])
+    assert raised.value.fix == f"put ddpkit run's options before the script: {fix}"
+
+
+def test_an_option_the_script_reads_itself_is_the_scripts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "own.py").write_text("parser.add_argument('--nnodes', type=int)\n")
+    assert parse(["own.py", "--nnodes", "2"]).args == ("--nnodes", "2")

@@ -92,3 +92,18 @@ def test_a_graphed_step_on_the_cpu_runs_eagerly_with_one_warning():
             graphed = s.graph(step, torch.ones(2, 4), model=model, optimizer=opt)
         first, second = graphed(torch.ones(2, 4)), graphed(torch.ones(2, 4))
         assert first != second, "each call is a real training step"
+
+
+def test_s_save_and_save_state_write_files_with_the_mode_torch_save_gives(tmp_path):
+    import stat
+
+    torch.save({"step": 1}, tmp_path / "plain.pt")
+    with ddpkit.setup() as s:
+        s.save({"step": 1}, tmp_path / "ckpt.pt")
+        s.save_state(tmp_path / "state", model=torch.nn.Linear(2, 1))
+    expected = stat.S_IMODE((tmp_path / "plain.pt").stat().st_mode)
+    written = [tmp_path / "ckpt.pt", *(p for p in (tmp_path / "state").rglob("*") if p.is_file())]
+    assert len(written) > 1
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in written} == {
+        p.name: expected for p in written
+    }

@@ -25,7 +25,7 @@ from ddpkit.common.gpus import visible_gpu_count
 from ddpkit.env import LOOPBACK, _int, slurm_hosts, slurm_port
 from ddpkit.errors import ConfigError
 from ddpkit.launch import torchrun_flags, values
-from ddpkit.launch.mistakes import fix_for_option, is_python
+from ddpkit.launch.mistakes import fix_for_option, is_python, launcher_flags_after
 from ddpkit.launch.torchrun_flags import TorchrunOptions
 
 TargetKind = Literal["script", "module", "command"]
@@ -364,6 +364,9 @@ def _target(args: argparse.Namespace) -> tuple[TargetKind, str, tuple[str, ...]]
             f"script {first!r} not found (looked in {Path.cwd()})",
             fix="check the path; to run a module use -m package.module",
         )
+    misplaced = launcher_flags_after(first, rest)
+    if misplaced is not None:
+        raise ConfigError(misplaced[0], fix=misplaced[1])
     return "script", str(Path(first)), rest
 
 

@@ -6,7 +6,8 @@ variables (`CUDA_VISIBLE_DIVICE`). No torch here."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from ddpkit.common.spelling import misspellings
 
@@ -32,6 +33,56 @@ def fix_for_option(word: str) -> str:
             f"says {OTHER_LAUNCHERS[name]}: see `ddpkit run --help`"
         )
     return "see `ddpkit run --help`; options go before the script name"
+
+
+# ddpkit run's (and torchrun's) options that a training script has no use for: found after the
+# script they would go to it, silently (torchrun passes them on too)
+LAUNCHER_ONLY = frozenset(
+    f"--{name}{sep}{rest}"
+    for name, rest in (
+        ("nproc", "per_node"),
+        ("nnodes", ""),
+        ("node", "rank"),
+        ("master", "port"),
+        ("master", "addr"),
+        ("max", "restarts"),
+        ("rdzv", "endpoint"),
+        ("rdzv", "backend"),
+        ("standalone", ""),
+        ("hang", "timeout"),
+        ("init", "timeout"),
+    )  # fmt: skip
+    for sep in (("_", "-") if rest else ("",))
+)
+
+
+def launcher_flags_after(script: str, rest: Sequence[str]) -> tuple[str, str] | None:
+    """(what happened, the fix) when ddpkit run's own options come after the script, where
+    they go to the script; None when there are none, or the script reads such an option
+    itself (its source names it)."""
+    moved: list[str] = []
+    for i, word in enumerate(rest):
+        name = word.split("=", 1)[0]
+        if name in LAUNCHER_ONLY:
+            takes_value = "=" not in word and name != "--standalone" and i + 1 < len(rest)
+            moved += [word, rest[i + 1]] if takes_value else [word]
+    if not moved:
+        return None
+    try:
+        source = Path(script).read_text(errors="replace")
+    except OSError:
+        source = ""
+    if any(w.split("=", 1)[0].lstrip("-") in source for w in moved if w.startswith("--")):
+        return None  # the script's own option of that name
+    left = list(rest)
+    for word in moved:
+        left.remove(word)
+    shown = " ".join(moved)
+    return (
+        f"{shown} comes after the script {script}, so it would go to the script, not to ddpkit run",
+        "put ddpkit run's options before the script: "
+        f"`ddpkit run {shown} {' '.join([script, *left])}`",
+    )
 
 
 def is_python(word: str) -> bool:

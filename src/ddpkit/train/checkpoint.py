@@ -54,6 +54,7 @@ def write_atomic(obj: Any, path: str | os.PathLike[str]) -> Path:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # as torch.save(obj, path) would make it
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
@@ -65,6 +66,13 @@ def write_atomic(obj: Any, path: str | os.PathLike[str]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+def _umask() -> int:
+    """The process's umask (mkstemp makes 0600 files whatever it is)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 STALE = 60.0  # seconds: a temporary file not written to for this long belongs to a dead save
