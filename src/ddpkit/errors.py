@@ -94,6 +94,11 @@ def _end_as_interrupted() -> None:
 atexit.register(_end_as_interrupted)
 
 
+def end_as_interrupted(value: InitInterrupted) -> None:
+    """At exit, end by SIGINT as an uncaught KeyboardInterrupt does (after it was said)."""
+    _interrupted.append(value)
+
+
 def install_excepthook(
     fix_for: Callable[[BaseException, TracebackType | None], str] | None = None,
 ) -> None:
@@ -108,7 +113,7 @@ def install_excepthook(
         if isinstance(value, DdpkitError | InitInterrupted) and not debug_enabled():
             print(value.render(), file=sys.stderr, flush=True)
             if isinstance(value, InitInterrupted):
-                _interrupted.append(value)
+                end_as_interrupted(value)
             return
         previous(kind, value, tb)
         fix = fix_for(value, tb) if fix_for is not None else ""

@@ -205,3 +205,43 @@ def test_the_tutorials_mp_spawn_under_ddpkit_run_is_named_a_double_launch_and_bo
     assert job.finish(bound(90)) == 0, edited.read_text() + job.stderr
     assert "[rank 1] [GPU1] Epoch 1 | Steps: 4" in job.stdout
     assert "MASTER_PORT" in job.stderr, "the script's own port replaced, and said"
+
+
+@pytest.mark.skipif(terminal.available() is not None, reason=str(terminal.available()))
+def test_after_ctrl_c_the_summary_is_what_a_person_reads_not_every_ranks_traceback(tmp_path):
+    command = [sys.executable, "-m", "ddpkit", "run", "--log-dir", str(tmp_path), "-n", "3",
+               str(SCRIPTS / "reduces_forever.py")]  # fmt: skip
+    term = terminal.Terminal(command, tmp_path)
+    try:
+        for rank in range(3):
+            term.wait_for(f"[rank {rank}] training", bound(60))
+        time.sleep(1)
+        term.keys("C-c")
+        code = term.exit_code(bound(30))
+        screen = term.screen()
+    finally:
+        term.close()
+    after = screen.split("[rank 2] training")[-1].split("[rank 0] training")[-1]
+    after = after[after.index("ddpkit: the job was stopped") :] if "ddpkit:" in after else after
+    assert code == 130, screen
+    assert "Traceback" not in screen, "each rank's traceback is in its log"
+    assert "GLHF" not in screen
+    assert "root cause: stopped by SIGINT, forwarded to every rank: ranks 0-2 ended on " in after
+    assert "KeyboardInterrupt, as a script does on Ctrl+C (traceback in their logs)" in after
+    logs = [p for p in tmp_path.glob("*/rank*.log") if p.parent.name != "latest"]
+    assert len(logs) == 3
+    assert all("KeyboardInterrupt" in log.read_text() for log in logs), "kept in the logs"
+
+
+def test_a_rank_that_raises_is_shown_once_and_its_victims_are_named_victims(tmp_path):
+    job = start(["-n", "3", str(SCRIPTS / "raises.py")], tmp_path)
+    assert job.finish(bound(60)) == 1, job.stderr
+    assert job.stderr.count("ValueError: planted failure in rank 1") == 2, job.stderr  # + cause
+    assert job.stderr.count("Traceback (most recent call last)") == 1, job.stderr
+    assert "root cause: rank 1 exited with code 1 (ValueError: planted failure in rank 1)" in (
+        job.stderr
+    )
+    assert "other ranks: 0,2 lost the connection when rank 1 failed (victim, not cause)" in (
+        job.stderr
+    ), job.stderr
+    assert "failed the same way" not in job.stderr

@@ -10,10 +10,12 @@ module writes the outcome down.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch import causes
 from ddpkit.launch.causes import describe_exit, short
@@ -160,18 +162,20 @@ class Outcome:
         if self.details:
             lines.append(self.details)
         root = next((w for w in workers if w.rank == self.root_rank), None)
-        if root is not None:
+        root_error = snap.of(root.rank).error if root is not None else None
+        if root is not None and root_error is None:  # an error's traceback is shown once, above
             tail = list(root.output.last_lines)[-15:]
             if tail:
                 lines.append(f"  last lines of rank {root.rank}'s output:")
                 lines.extend(f"    | {line}" for line in tail)
         others: dict[str, list[int]] = {}
-        root_error = snap.of(root.rank).error if root is not None else None
         for w in workers:
             if w is not root and not self.interrupted and w.rank not in (self.victims or ()):
                 what = "stopped by ddpkit" if w.stopped else describe_exit(w.exit_code)
                 error = snap.of(w.rank).error
-                if root_error and error and error.type == root_error.type:
+                if root is not None and error and lost_a_peer(error.message):
+                    what = f"lost the connection when rank {root.rank} failed (victim, not cause)"
+                elif root_error and error and error.type == root_error.type:
                     what = f"failed the same way ({error.type})"
                 others.setdefault(what, []).append(w.rank)
         if others:
@@ -192,6 +196,11 @@ class Outcome:
             self.text += f"\n  (report.txt not written: {err.strerror or err})"
 
 
+def lost_a_peer(message: str) -> bool:
+    """A rank's error that says a peer went away (a victim's words, not a cause)."""
+    return any(word in message for word in protocol.VICTIM_WORDS)
+
+
 def how_ranks_ended(workers: list[Worker], grace: float) -> str:
     """After a forwarded stop signal: which ranks ended on their own (saved and left, or as
     the signal told them) and which the launcher killed when the grace was over."""
@@ -205,6 +214,8 @@ def how_ranks_ended(workers: list[Worker], grace: float) -> str:
             what = f"had not ended after {grace:g} s: killed"
         elif w.exit_code == 0:
             what = "ended on its own (exit code 0)"
+        elif w.exit_code == -signal.SIGINT:
+            what = "ended on KeyboardInterrupt, as a script does on Ctrl+C (traceback in its log)"
         else:
             what = describe_exit(w.exit_code)
         groups.setdefault(what, []).append(w.rank)
@@ -212,7 +223,7 @@ def how_ranks_ended(workers: list[Worker], grace: float) -> str:
     for what, ranks in groups.items():
         plural = len(ranks) > 1
         if plural:
-            what = what.replace("its own", "their own")
+            what = what.replace("its own", "their own").replace("in its log", "in their logs")
         parts.append(f"rank{'s' if plural else ''} {ranks_text(ranks)} {what}")
     return "; ".join(parts)
 

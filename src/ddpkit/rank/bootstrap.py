@@ -99,9 +99,19 @@ def main(argv: list[str]) -> None:
         exit_quickly(done.code)
     except KeyboardInterrupt as interrupt:
         # as `python script.py` ends on Ctrl+C (the traceback, then death by SIGINT), minus
-        # the frames of ddpkit's own
+        # the frames of ddpkit's own; the traceback in the rank's log
         trimmed = user_frames(interrupt.__traceback__)
-        traceback.print_exception(type(interrupt), interrupt.with_traceback(trimmed), trimmed)
+        text = "".join(
+            traceback.format_exception(type(interrupt), interrupt.with_traceback(trimmed), trimmed)
+        )
+        if os.environ.get(protocol.FRAMED) == "1":
+            from ddpkit.rank.failure import log_only
+
+            # the Ctrl+C ddpkit run forwarded: its report says the job was stopped, and every
+            # rank's traceback (12 lines, ~30 from inside a collective) would bury it
+            log_only(text)
+        else:
+            sys.stderr.write(text)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
