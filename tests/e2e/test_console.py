@@ -169,6 +169,7 @@ def test_the_demo_trains_to_its_accuracy_with_one_clean_line_per_epoch_in_a_term
         assert out.returncode == 0, out.stderr
         screen = out.stdout + out.stderr
     assert "digits: 1437 train / 360 held-out images, 2 rank(s), backend gloo" in screen
+    assert re.search(r"ddpkit demo: the script is \S+/ddpkit/examples/digits\.py", screen)
     accuracy = float(screen.split("held-out accuracy: ")[1].split()[0])
     assert accuracy > 0.85, screen
     assert "summary: 2 rank(s), backend gloo" in screen

@@ -19,8 +19,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+    import sys
+
     from ddpkit.cli.run import start
     from ddpkit.launch import config
+
+    spec = importlib.util.find_spec("ddpkit.examples.digits")  # its path, without running it
+    where = spec.origin if spec is not None and spec.origin else "ddpkit/examples/digits.py"
+    print(
+        f"ddpkit demo: the script is {where} (a copy is a start for your own; run it as "
+        "`ddpkit run -n 2 -m ddpkit.examples.digits`)",
+        file=sys.stderr,
+        flush=True,
+    )
 
     cfg = config.build(
         "module",
