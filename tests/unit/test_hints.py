@@ -175,3 +175,13 @@ def test_a_port_held_by_the_job_itself_never_says_kill_that_job(monkeypatch):
         holder.close()
     assert "a process of this same job" in fix
     assert "ddpkit kill" not in fix
+
+
+def test_a_device_side_assert_says_it_surfaced_late_and_how_to_get_the_real_line():
+    err = RuntimeError(
+        "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously "
+        "reported at some other API call"
+    )
+    fix = fix_for(err, None)
+    assert "the line named is where the error surfaced" in fix
+    assert "CUDA_LAUNCH_BLOCKING=1" in fix

@@ -240,6 +240,7 @@ class OomFacts(TypedDict, total=False):
     peak_allocated: int
     others: int | None  # other processes on the GPU (NVML); None on the host
     bound: str  # what bounds host memory: the machine, the cgroup, ulimit -v
+    grew: list[int]  # [first step, last step, allocated then, allocated at the last] of a leak
 
 
 def write_error(state_dir: str | Path, rank: int | str, record: ErrorRecord) -> None:

@@ -279,7 +279,7 @@ def _none(node: ast.AST) -> bool:
     return isinstance(node, ast.IfExp) and "is_available" in ast.unparse(node.test)
 
 
-def _guarded(tree: ast.AST, call: ast.Call) -> bool:
+def _guarded(tree: ast.AST, call: ast.AST) -> bool:
     """The call sits under an `if` that asks whether CUDA is there."""
     for node in ast.walk(tree):
         if isinstance(node, ast.If | ast.IfExp) and "is_available" in ast.unparse(node.test):
@@ -293,21 +293,8 @@ def _cuda_devices(tree: ast.AST, at: Any) -> list[Finding]:
     """Work sent to CUDA unconditionally (`device = 'cuda'`, `.to('cuda')`, `.cuda()`,
     `torch.device('cuda')`), said once at its first place, on a machine with no GPU."""
     for node in ast.walk(tree):
-        plain = isinstance(node, ast.Constant) and isinstance(node.value, str)
-        named = plain and node.value.split(":")[0] == "cuda"  # type: ignore[union-attr]
-        formatted = (  # f'cuda:{local_rank}' (nanoGPT's)
-            isinstance(node, ast.JoinedStr)
-            and node.values
-            and isinstance(node.values[0], ast.Constant)
-            and str(node.values[0].value).startswith("cuda")
-        )
-        called = (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "cuda"
-        )
-        if (named or called or formatted) and not _guarded(tree, node):  # type: ignore[arg-type]
-            what = f"'{node.value}'" if named else ast.unparse(node)  # type: ignore[union-attr]
+        what = _cuda_named(node)
+        if what is not None and not _guarded(tree, node):
             return [
                 Finding(
                     "error",
@@ -322,6 +309,23 @@ def _cuda_devices(tree: ast.AST, at: Any) -> list[Finding]:
                 )
             ]
     return []
+
+
+def _cuda_named(node: ast.AST) -> str | None:
+    """How `node` names CUDA as a device, or None: 'cuda' (or 'cuda:0'), f'cuda:{rank}', a
+    `.cuda()` call."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return f"'{node.value}'" if node.value.split(":")[0] == "cuda" else None
+    if (
+        isinstance(node, ast.JoinedStr)
+        and node.values
+        and isinstance(node.values[0], ast.Constant)
+        and str(node.values[0].value).startswith("cuda")
+    ):
+        return ast.unparse(node)  # nanoGPT's f'cuda:{ddp_local_rank}'
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return ast.unparse(node) if node.func.attr == "cuda" else None
+    return None
 
 
 def _module_of_wrapped(tree: ast.AST, source: str, at: Any) -> list[Finding]:

@@ -278,6 +278,7 @@ def root_cause(
         memory_facts = root.memory
         if memory_facts is not None:  # out of memory: what it held, and what would fit
             grew = growth(root.rank) if growth is not None else None
+            grew = grew or oom_verdict.grew_before(memory_facts)  # a leak faster than the watch
             summary, fix = oom_verdict.verdict(memory_facts, root.rank, site, grew)
             snapshot = protocol.state_path(state_dir, root.rank, protocol.MEMORY_SNAPSHOT)
             if root.memory_snapshot:

@@ -54,6 +54,19 @@ class Need:
         return self.activations - self.room
 
 
+def grew_before(facts: OomFacts) -> str | None:
+    """The rank's own words for a leak it saw in its last steps' memory (`grew` in its facts):
+    '512 MiB a step, from 1.1 GiB to 6.2 GiB over 10 steps'."""
+    grew = facts.get("grew")
+    if not grew or len(grew) != 4 or grew[1] <= grew[0]:
+        return None
+    first, last, then, now = grew
+    return (
+        f"{size((now - then) / (last - first))} a step, from {size(then)} to {size(now)} over "
+        f"{last - first} steps"
+    )
+
+
 def verdict(facts: OomFacts, rank: int, site: str, growth: str | None = None) -> tuple[str, str]:
     """(the root cause line, the fix line) for rank `rank` that ran out at `site`. `growth`:
     the memory watch's words when the rank's memory grew step after step before it failed."""

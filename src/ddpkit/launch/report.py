@@ -163,7 +163,8 @@ class Outcome:
             lines.append(self.details)
         root = next((w for w in workers if w.rank == self.root_rank), None)
         root_error = snap.of(root.rank).error if root is not None else None
-        if root is not None and root_error is None:  # an error's traceback is shown once, above
+        shown_above = root_error is not None and root_error.type != "SystemExit"
+        if root is not None and not shown_above:  # a traceback is shown once, where it was said
             tail = list(root.output.last_lines)[-15:]
             if tail:
                 lines.append(f"  last lines of rank {root.rank}'s output:")

@@ -6,6 +6,7 @@ record, and the launcher's report prints it under the root cause.
 * a GPU assumed where none is visible (`rank % num_gpus`, set_device, device='cuda', DDP's
   device_ids): ddpkit.rank.gpu_assumed;
 * `model.module` at world size 1, where s.wrap gives back the model itself;
+* a CUDA device-side assert, which surfaces at a later line than its cause;
 * DDP's unused parameters, named (torch gives their indices) with `find_unused_parameters=True`;
 * a model that differs on one rank (DDP's shape check), with the parameter named;
 * a debugger on a rank that has no terminal (BdbQuit: `--stdin N`);
@@ -46,6 +47,17 @@ def _fix_for(error: BaseException, tb: TracebackType | None) -> str:
         return (
             "this machine has no CUDA GPU for NCCL (or this torch build has no NCCL): use "
             "backend='gloo' on CPUs, or ddpkit.setup(), which picks nccl or gloo by itself"
+        )
+    if "device-side assert" in message:
+        return (
+            "a CUDA kernel's own check failed (a device-side assert), and CUDA reports it late: "
+            "the line named is where the error surfaced (the next call that waits for the GPU: "
+            ".item(), .cpu(), print, a collective), not where it happened. Such an assert is "
+            "almost always an index out of range: token ids at or past an nn.Embedding's "
+            "num_embeddings, cross_entropy targets outside 0..classes-1 (other than its "
+            "ignore_index), gather/index_select/scatter indices; the real line: rerun with "
+            "CUDA_LAUNCH_BLOCKING=1 (`CUDA_LAUNCH_BLOCKING=1 ddpkit run ...`), or run a step on "
+            "the CPU, where the same mistake is an IndexError at its own line"
         )
     no_gpu = gpu_assumed.fix_for(error, tb)
     if no_gpu:

@@ -98,6 +98,9 @@ def facts(error: BaseException, kind: str) -> protocol.OomFacts:
             "loader",
         )
     )
+    grew = growth_before()
+    if grew is not None:
+        out["grew"] = grew
     if kind == "cuda" and device is not None and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         out["device"] = index
@@ -151,6 +154,27 @@ def release_reserve() -> None:
         with contextlib.suppress(Exception):
             _reserve.close()
         _reserve, _released = None, True
+
+
+GREW_MIN_BYTES = 64 * 2**20  # growth below this before a failure is no leak
+GREW_MIN_SAMPLES = 4
+
+
+def growth_before() -> list[int] | None:
+    """[first step, last step, bytes then, bytes at the last] when the GPU memory torch held at
+    the end of each step read grew at every read (a leak: something kept every step) by at
+    least GREW_MIN_BYTES; None otherwise (memory that stayed level, or too few steps)."""
+    from ddpkit.rank import steps
+
+    clock = steps.clock()
+    series = list(clock.memory_series) if clock is not None else []
+    if len(series) < GREW_MIN_SAMPLES:
+        return None
+    values = [held for _, held in series]
+    rising = all(b > a for a, b in zip(values, values[1:], strict=False))
+    if not rising or values[-1] - values[0] < GREW_MIN_BYTES:
+        return None
+    return [series[0][0], series[-1][0], values[0], values[-1]]
 
 
 def write(state_dir: str, rank: str, error: BaseException) -> None:

@@ -51,6 +51,7 @@ MAX_BACKWARDS = 16  # backward passes timed per step (gradient accumulation)
 # read (~80 us on an H200's host), so a step reads it at most this often (peaks are kept by
 # torch between reads).
 MEMORY_EVERY = 0.25
+EVERY_STEP_UNTIL = 32  # the first steps' memory is read at each step's end (a fast leak)
 
 
 def gpu_memory(cuda: Any) -> tuple[int, int, int]:
@@ -87,6 +88,9 @@ class Clock:
         self.learning = False
         self.synced = False  # the job has other ranks to wait for
         self.memory_at = -MEMORY_EVERY  # host time the GPU memory was last read
+        # (step, allocated) as steps ended: a leak that fills the GPU within a few steps is
+        # seen in them at the out-of-memory error (ddpkit.rank.oom_facts)
+        self.memory_series: collections.deque[tuple[int, int]] = collections.deque(maxlen=32)
 
     # -- the step boundary --------------------------------------------------------------
 
@@ -109,9 +113,11 @@ class Clock:
             self.number += 1
             total = now - self.started
             if self.cuda is not None:
-                if now - self.memory_at >= MEMORY_EVERY:
+                if now - self.memory_at >= MEMORY_EVERY or self.number <= EVERY_STEP_UNTIL:
                     self.memory_at = now
-                    self.writer.set_memory(*gpu_memory(self.cuda))
+                    held = gpu_memory(self.cuda)
+                    self.writer.set_memory(*held)
+                    self.memory_series.append((self.number, held[0]))
                 end = self._event()
                 end.record()
                 self.pending.append(
