@@ -44,6 +44,7 @@ def test_a_leak_that_fills_the_gpu_within_a_dozen_steps_is_named_as_growth(tmp_p
     steps = len(re.findall(r"\] step \d+ loss", job.stdout))
     cause = re.search(r"root cause: (.*)", job.stderr).group(1)
     assert "ran out of GPU memory" in cause, job.stderr
+    assert steps <= 12, f"a leak that fills the GPU within a dozen steps, not {steps}"
     assert "after its memory grew step after step" in cause, f"{steps} steps:\n{job.stderr}"
     fix = re.search(r"fix: (.*)", job.stderr).group(1)
     assert fix.startswith("find what keeps memory every step"), fix

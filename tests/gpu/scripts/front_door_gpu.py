@@ -48,6 +48,6 @@ for step in range(1000):
     loss.backward()
     optimizer.step()
     if case == "leak":
-        x_val = torch.randint(0, vocab, (64, 128), device=device)
+        x_val = torch.randint(0, vocab, (256, 128), device=device)
         val_losses.append(model(x_val).mean())  # kept with its graph and activations
     print(f"step {step} loss {loss.item():.3f}", flush=True)
