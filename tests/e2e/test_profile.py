@@ -64,7 +64,9 @@ def test_profile_records_the_same_steps_of_every_rank_and_names_the_slowed_one_a
     merged = events(folder / "merged.trace.json.gz")
     processes = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert {p.split(":")[0] for p in processes} == {"rank 0", "rank 1", "rank 2"}
-    assert (folder / "breakdown.txt").read_text().strip() == said.split("\n", 1)[1].strip()
+    body = said.split("\n", 1)[1].strip()
+    assert body.startswith((folder / "breakdown.txt").read_text().strip())
+    assert f"this breakdown is in {folder / 'breakdown.txt'}" in body, "where it is, said"
     plan = summaries[0]["plan"]
     state = tmp_path / "logs" / job.run_id / "state0"
     deadline = time.monotonic() + 60
@@ -81,9 +83,12 @@ def test_profile_steps_records_from_the_start_and_prints_the_breakdown(tmp_path)
     job = start(["-n", "2", "--profile-steps", "5-8", UNEVEN, "even", "--phase", "30"], tmp_path)
     assert job.finish(120) == 0, job.stderr
     assert "ddpkit: steps 5-8 recorded on 2 rank(s)" in job.stderr, job.stderr
-    assert "top ops by own time over the recorded steps:" in job.stderr
+    assert "top ops by own time over the recorded steps (an op's own time leaves out" in job.stderr
+    assert re.search(r"rank 0: .*; all \d+ ops together \d+%", job.stderr), job.stderr
     assert "USDT:" not in job.stdout + job.stderr, "kineto's trace points stay in the logs"
     folder = tmp_path / "logs" / job.run_id / "profile-5-8"
+    assert f"drawn in {folder / 'breakdown.png'}" in job.stderr, "a file written is said"
+    assert (folder / "breakdown.png").exists()
     assert sorted(p.name for p in folder.glob("rank*.trace.json.gz")) == [
         "rank0.trace.json.gz",
         "rank1.trace.json.gz",

@@ -65,7 +65,7 @@ def test_a_restart_takes_the_warm_spares_and_goes_on_bit_identical(tmp_path):
     assert job.finish(120) == 0, job.stderr
     for rank in range(3):
         assert f"rank {rank} started warm" in job.stderr, job.stderr
-    assert re.search(r"restarted from step 18 in [\d.]+ s, 0 steps lost", job.stderr)
+    assert re.search(r"resumed after step 17 in [\d.]+ s, 0 steps lost", job.stderr)
     got = losses(job.stdout)
     assert all(len(v) == 1 for v in got.values()), "no step done twice"
     assert got == losses(never.stdout)

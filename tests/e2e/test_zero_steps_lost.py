@@ -88,7 +88,8 @@ def failures_in_turn(tmp_path, never, failures, cgroup=None):
     for attempt, (rank, step, how) in enumerate(failures, start=2):
         assert re.search(rf"root cause: rank {rank} .*{CAUSE[how]}", said), (how, said)
         assert re.search(
-            rf"ddpkit: rank {rank} failed at step {step} \(.*\); restarted from step {step} in "
+            rf"ddpkit: rank {rank} failed after step {step - 1} \(.*\); resumed after step "
+            rf"{step - 1} in "
             rf"[\d.]+ s, 0 steps lost \(the state the ranks left wrote at the failure\); "
             rf"attempt {attempt} of {total}",
             said,
@@ -133,7 +134,7 @@ def test_a_killed_rank_whose_dataloader_workers_hold_its_connections_costs_no_st
     job = run(tmp_path, "state", *args)
     assert job.finish(120) == 0, job.stderr
     assert re.search(r"rank \d wrote the state of the last completed step to .*state-", job.stderr)
-    assert re.search(r"restarted from step 15 in [\d.]+ s, 0 steps lost", job.stderr), job.stderr
+    assert re.search(r"resumed after step 14 in [\d.]+ s, 0 steps lost", job.stderr), job.stderr
     assert int(RESUMED.search(job.stdout)[1]) == 14
     got = losses(job.stdout)
     assert got == {step: [loss] for step, [loss] in never.items()}
@@ -148,7 +149,7 @@ def test_a_failure_after_the_optimizer_step_keeps_the_last_regular_save(tmp_path
     assert job.finish(120) == 0, job.stderr
     assert "wrote the state of the last completed step" not in job.stderr
     assert re.search(
-        r"ddpkit: rank 1 failed at step 16 \(.*\); restarted from step 11 in [\d.]+ s, 5 steps "
+        r"ddpkit: rank 1 failed after step 15 \(.*\); resumed after step 10 in [\d.]+ s, 5 steps "
         r"lost \(the last saved state\); attempt 2 of 2",
         job.stderr,
     ), job.stderr

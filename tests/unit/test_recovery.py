@@ -54,8 +54,8 @@ def test_a_rescued_restart_says_no_step_was_lost_and_its_time(tmp_path):
     new.mkdir()
     count(new, 1, base=14, done=1, first_end=102.5, rescued=True)
     assert recovery.went_on(failure, running(new, 0, 1)) == (
-        "rank 1 failed at step 15 (exited with code 1 (RuntimeError: boom)); restarted from "
-        "step 15 in 2.5 s, 0 steps lost (the state the ranks left wrote at the failure); "
+        "rank 1 failed after step 14 (exited with code 1 (RuntimeError: boom)); resumed after "
+        "step 14 in 2.5 s, 0 steps lost (the state the ranks left wrote at the failure); "
         "attempt 2 of 2"
     )
 
@@ -65,13 +65,14 @@ def test_a_restart_from_the_last_save_counts_the_steps_done_again(tmp_path):
     new.mkdir()
     count(new, 0, base=10, done=3, first_end=104.0)
     line = recovery.went_on(failure, running(new, 0))
-    assert "restarted from step 11 in 4.0 s, 4 steps lost (the last saved state)" in line
+    assert "resumed after step 10 in 4.0 s, 4 steps lost (the last saved state)" in line
 
 
-def test_a_script_that_loads_no_state_gets_the_time_alone(tmp_path):
+def test_a_script_that_loads_no_state_is_told_it_started_over_and_how_to_keep_its_steps(tmp_path):
     failure, new = failed(tmp_path), tmp_path / "state1"
     new.mkdir()
     count(new, 0, base=0, done=1, first_end=103.0, loaded=False)
     line = recovery.went_on(failure, running(new, 0))
-    assert "its first step 3.0 s after the failure" in line
-    assert "steps lost" not in line
+    assert "restarted from step 0, its first step 3.0 s after the failure" in line
+    assert "the script loads no state, so its 14 steps are trained again" in line
+    assert "s.save_state every few steps and s.load_state at the start" in line

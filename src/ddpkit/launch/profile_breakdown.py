@@ -68,7 +68,10 @@ def once_written(
         recordings = read(folder, timed)
         said = text(recordings, folder, merged)
         (folder / "breakdown.txt").write_text(said + "\n")
-        plot(recordings, folder / "breakdown.png")
+        drawn = plot(recordings, folder / "breakdown.png")
+        said += f"\nthis breakdown is in {folder / 'breakdown.txt'}" + (
+            f", drawn in {folder / 'breakdown.png'}" if drawn else ""
+        )
     except (OSError, ValueError) as err:
         said = f"the recording of steps {steps[0]}-{steps[1]} could not be read: {err}"
     return said
@@ -154,7 +157,10 @@ def text(recordings: list[RankRecording], folder: Path, merged: Path | None) -> 
         )
     elif len(recordings) > 1:
         lines.append("no rank holds the others back: their own times are within 10%")
-    lines.append("top ops by own time over the recorded steps:")
+    lines.append(
+        "top ops by own time over the recorded steps (an op's own time leaves out the Python "
+        "and framework code between ops, which the compute share above includes):"
+    )
     for r in recordings:
         line = _top_line(r, 5)
         if line:
@@ -186,7 +192,15 @@ def _top_line(r: RankRecording, count: int) -> str:
     shown = [
         f"{name} {seconds * 1e3:.1f} ms ({seconds / wall:.0%})" for name, seconds, _ in rows[:count]
     ]
-    return ", ".join(shown) + f" ({where})" if shown else ""
+    if not shown:
+        return ""
+    line = ", ".join(shown) + f" ({where})"
+    every, ops = float(r.summary.get("ops_s", 0.0)), int(r.summary.get("ops", 0))
+    if count > 1 and every > 0 and ops > count:
+        # the top few can be a small share of a step that computes most of its time: the rest
+        # is other ops, and Python and the framework between them (not an op's own time)
+        line += f"; all {ops} ops together {every / wall:.0%}"
+    return line
 
 
 def _cost_line(recordings: list[RankRecording]) -> str:

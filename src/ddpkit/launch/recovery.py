@@ -1,14 +1,14 @@
 """What a restart cost, said in one line once the restarted job's first step ends:
 
-    ddpkit: rank 1 failed at step 15 (exited with code 1: RuntimeError: boom); restarted from
-    step 15 in 2.9 s, 0 steps lost (the state the ranks left wrote at the failure); attempt 2 of 2
+    ddpkit: rank 1 failed after step 14 (exited with code 1: RuntimeError: boom); resumed after
+    step 14 in 2.9 s, 0 steps lost (the state the ranks left wrote at the failure); attempt 2 of 2
 
 The steps are the job's optimizer steps as the ranks count them across restarts
 (ddpkit.train.step_count: each rank's count record, as the snapshot read it): the step the
-failed rank was in, the step the restarted ranks began with (one after the state their
-s.load_state went on from), and the wall time from the failure to the end of that first step.
-A script that resumes without s.load_state gets the time alone: what it lost is its own to
-know.
+failed rank was in, the state the restarted ranks' s.load_state went on from, and the wall
+time from the failure to the end of the first step after it; steps are said as those completed
+("after step 14"). A script that loads no state is told it started again from step 0, how many
+steps it trains again, and how to keep them.
 """
 
 from __future__ import annotations
@@ -59,20 +59,27 @@ def went_on(failure: Failure, now: Snapshot) -> str | None:
         if count is None or count.done < 1 or not count.first_end:
             continue
         seconds = max(count.first_end - failure.wall, 0.0)
-        came = f" at step {failure.step}" if failure.step is not None else ""
-        head = f"{failure.who} failed{came} ({failure.cause}); restarted"
+        # steps said as the ones completed ("after step 15"): the same number whether the
+        # script counts from 0 (its step 15 is the one it failed in) or from 1
+        done = failure.step - 1 if failure.step is not None else None
+        came = f" after step {done}" if done is not None else ""
+        head = f"{failure.who} failed{came} ({failure.cause})"
         if not count.loaded:
+            again = f"its {done} steps are trained again" if done else "its steps are trained again"
             return (
-                f"{head}, its first step {seconds:.1f} s after the failure (the script loads "
-                f"no state with s.load_state: the steps it lost are its own to count); "
+                f"{head}; restarted from step 0, its first step {seconds:.1f} s after the "
+                f"failure: the script loads no state, so {again} (to keep them: "
+                "s.save_state every few steps and s.load_state at the start); "
                 f"{failure.attempt}"
             )
-        began = count.base + 1
-        lost = f", {max(failure.step - began, 0)} steps lost" if failure.step is not None else ""
+        lost = f", {max(done - count.base, 0)} steps lost" if done is not None else ""
         source = (
             "the state the ranks left wrote at the failure"
             if count.rescued
             else "the last saved state"
         )
-        return f"{head} from step {began} in {seconds:.1f} s{lost} ({source}); {failure.attempt}"
+        return (
+            f"{head}; resumed after step {count.base} in {seconds:.1f} s{lost} ({source}); "
+            f"{failure.attempt}"
+        )
     return None

@@ -205,7 +205,9 @@ def summarise(profiler: Any) -> dict[str, Any]:
         if own > 0 and getattr(e, "scope", None) != USER_SCOPE:
             rows.append((name, own / 1e6, int(e.count)))
     rows.sort(key=lambda r: -r[1])
-    return {"device": "gpu" if on_gpu else "cpu", "top": rows[:TOP], "comm_s": comm}
+    every = sum(seconds for _, seconds, _ in rows)  # every op's own time: what the top ones are of
+    return {"device": "gpu" if on_gpu else "cpu", "top": rows[:TOP], "comm_s": comm,
+            "ops_s": every, "ops": len(rows)}  # fmt: skip
 
 
 def _device_time(event: Any) -> float:
