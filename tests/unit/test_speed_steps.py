@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from ddpkit.common import protocol
 from ddpkit.launch import outcomes
 from ddpkit.launch.peers.peers import NoPeers
@@ -38,3 +40,33 @@ def test_steps_read_by_a_look_made_for_something_else_reach_the_end_table(tmp_pa
     rows = [line.split() for line in table.splitlines()[2:4]]
     assert [row[0] for row in rows] == ["0", "1"], table
     assert all(int(row[1]) >= STEPS for row in rows), "every step counted"
+
+
+def test_steps_png_draws_each_rank_in_its_own_panel_with_its_spikes_marked(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from types import SimpleNamespace
+
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    from ddpkit.launch.speed import step_watch
+
+    calm = [(0.004,)] * 100
+    spiky = [(0.004,)] * 50 + [(0.040,)] + [(0.004,)] * 49
+    tracks = {r: SimpleNamespace(rank=r, every=1, kept=k) for r, k in enumerate([calm, spiky])}
+    drawn = []
+    subplots = plt.subplots
+
+    def keep(*args, **kwargs):
+        fig, axes = subplots(*args, **kwargs)
+        drawn.append(axes)
+        return fig, axes
+
+    monkeypatch.setattr(plt, "subplots", keep)
+    step_watch.plot(tracks, tmp_path / "steps.png")
+    (axes,) = drawn
+    assert axes.shape == (2, 1), "a panel a rank"
+    labels = [ax.texts[-1].get_text() for ax in axes[:, 0]]
+    assert labels == ["median 4.0 ms; 0 step(s) over 3x", "median 4.0 ms; 1 step(s) over 3x"]
+    assert [t.get_text() for t in axes[1, 0].texts[:-1]] == ["40 ms"], "the spike labelled"
+    assert matplotlib.image.imread(tmp_path / "steps.png").shape[0] > 200

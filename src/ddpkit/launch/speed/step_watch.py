@@ -350,8 +350,14 @@ def whole_job_row(track: Track, host: str, memory: MemoryFigures) -> JobRow:
     }
 
 
+SPIKE = 3.0  # a step this many times its rank's median is marked on steps.png
+
+
 def plot(tracks: dict[int, Track], path: Path) -> None:
-    """Each rank's step time over the job (where matplotlib is installed)."""
+    """Each rank's step time over the job in a panel of its own (one scale for all), its median
+    dashed, each step over SPIKE times the median marked and the largest labelled; the scale
+    stops above the ordinary steps so that one long step does not flatten the rest (where
+    matplotlib is installed)."""
     try:
         import matplotlib
 
@@ -359,14 +365,38 @@ def plot(tracks: dict[int, Track], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for track in sorted(tracks.values(), key=lambda t: t.rank):
-        if track.kept:
-            steps = [i * track.every for i in range(len(track.kept))]
-            ax.plot(steps, [k[0] * 1e3 for k in track.kept], label=f"rank {track.rank}", lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
-    ax.legend(fontsize="small")
+    shown = [t for t in sorted(tracks.values(), key=lambda t: t.rank) if t.kept]
+    if not shown:
+        return
+    every_ms = sorted(k[0] * 1e3 for t in shown for k in t.kept)
+    ordinary = every_ms[min(len(every_ms) - 1, int(len(every_ms) * 0.98))]
+    top = max(ordinary * 1.3, statistics.median(every_ms) * SPIKE * 1.2)
+    fig, axes = plt.subplots(
+        len(shown), 1, figsize=(8, 1.2 + 1.15 * len(shown)), sharex=True, sharey=True,
+        squeeze=False,
+    )  # fmt: skip
+    for ax, track in zip(axes[:, 0], shown, strict=True):
+        steps = [i * track.every for i in range(len(track.kept))]
+        ms = [k[0] * 1e3 for k in track.kept]
+        typical = statistics.median(ms)
+        ax.plot(steps, [min(m, top) for m in ms], lw=0.8)
+        ax.axhline(typical, ls="--", lw=0.7, color="grey")
+        spikes = [(x, m) for x, m in zip(steps, ms, strict=True) if m > SPIKE * typical]
+        if spikes:
+            ax.plot([x for x, _ in spikes], [min(m, top) for _, m in spikes], "v", color="red",
+                    ms=4)  # fmt: skip
+            x, m = max(spikes, key=lambda p: p[1])
+            ax.annotate(f"{m:.0f} ms", (x, min(m, top)), fontsize="x-small", color="red",
+                        xytext=(3, -9), textcoords="offset points")  # fmt: skip
+        ax.set_ylabel(f"rank {track.rank}\nms", fontsize="small")
+        ax.text(0.995, 0.93, f"median {typical:.1f} ms; {len(spikes)} step(s) over {SPIKE:g}x",
+                transform=ax.transAxes, ha="right", va="top", fontsize="x-small")  # fmt: skip
+        ax.set_ylim(0, top)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(
+        f"step time per rank (dashed: its median; red: a step over {SPIKE:g}x it)",
+        fontsize="small",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
