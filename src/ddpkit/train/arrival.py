@@ -38,7 +38,8 @@ class Wait:
         self.deadline = self.began + timeout
         self.said = env.launcher == "ddpkit"  # ddpkit run's own init watch names who is late
         self.pause = POLL_S[0]
-        self.waiting_for = "rank 0" if not is_server else "the other ranks"
+        self.waiting_for = "the other ranks"
+        self.connected = False  # a client that reached the store, waiting for the others
 
     @property
     def where(self) -> str:
@@ -49,6 +50,9 @@ class Wait:
 
     def waited(self) -> float:
         return time.monotonic() - self.began
+
+    def about_to_say(self) -> bool:
+        return not self.said and self.waited() >= SAY_AFTER_S
 
     def sleep(self) -> None:
         """Sleep a little longer each time (the store is asked at most 4 times a second by
@@ -68,6 +72,8 @@ class Wait:
         }.get(env.launcher, "")
         if self.is_server:
             what = f"{me} listens on {self.where} and waits for {self.waiting_for}"
+        elif self.connected:
+            what = f"{me} waits at {self.where} for {self.waiting_for}"
         else:
             what = f"{me} waits for rank 0 to listen at {self.where}"
         return (
@@ -158,14 +164,16 @@ def _arrive(store: dist.Store, prefix: str, wait: Wait) -> None:
                 fix="start every rank with the same WORLD_SIZE (ddpkit run does), or look at "
                 "why the missing ranks stopped before setup()",
             )
-        missing = _missing(store, prefix, env.world_size) if wait.is_server else []
-        if missing:
-            wait.waiting_for = f"rank {ranks_text(missing)}"
+        wait.connected = True
+        if wait.about_to_say():  # who is missing, asked once: for the line alone
+            missing = _missing(store, prefix, env.world_size)
+            if missing:
+                wait.waiting_for = f"rank {ranks_text(missing)}"
         wait.sleep()
 
 
 def _missing(store: dist.Store, prefix: str, world_size: int) -> list[int]:
-    if world_size > 64:  # one look per rank: too many to ask at every poll
+    if world_size > 64:  # one look per rank: too many to name
         return []
     return [r for r in range(world_size) if not store.check([f"{prefix}{r}"])]  # type: ignore[attr-defined]
 
