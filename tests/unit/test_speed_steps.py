@@ -70,3 +70,20 @@ def test_steps_png_draws_each_rank_in_its_own_panel_with_its_spikes_marked(tmp_p
     assert labels == ["median 4.0 ms; 0 step(s) over 3x", "median 4.0 ms; 1 step(s) over 3x"]
     assert [t.get_text() for t in axes[1, 0].texts[:-1]] == ["40 ms"], "the spike labelled"
     assert matplotlib.image.imread(tmp_path / "steps.png").shape[0] > 200
+
+
+def test_no_straggler_is_judged_while_no_rank_ends_a_step_a_hang_in_the_making():
+    from ddpkit.common.protocol import Step
+    from ddpkit.launch.speed.step_watch import Track, stalled
+
+    tracks = []
+    for rank in range(3):
+        track = Track(rank, pid=100 + rank, window=32)
+        track.take([Step(n, 1000.0 + n * 0.1, 0.1, 0.0, 0.08, 0.02, 0.0) for n in range(20)])
+        tracks.append(track)  # the last step ended at 1001.9
+    assert not stalled(tracks, now=1002.5), "a step's time after the last: still training"
+    assert stalled(tracks, now=1004.0), "2 s and 20 steps' time with no step ended"
+    slow = Track(0, pid=100, window=32)  # steps of 10 s: 2 s without one is nothing
+    slow.take([Step(n, 1000.0 + n * 10, 10.0, 0.0, 9.0, 1.0, 0.0) for n in range(10)])
+    assert not stalled([slow], now=1100.0)
+    assert stalled([slow], now=1150.0)

@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -37,6 +38,22 @@ LIVE_EVERY = 1.0
 KEEP = 20000  # steps kept per rank for the summary and the plot (thinned beyond)
 DEFAULT_THRESHOLD = 1.2
 DEFAULT_WINDOW = 50
+
+
+STALL_S, STALL_STEPS = 2.0, 5.0  # no step ended for this long (and this many steps): a stall
+
+
+def stalled(tracks: Iterable[Track], now: float) -> bool:
+    """No rank of this node has ended a step for STALL_STEPS of its recent steps' time (and at
+    least STALL_S): a hang in the making, the hang watch's to judge. A straggler verdict then
+    would name whichever rank the load slowed last, not the rank that stopped (seen under load:
+    rank 0 named just before the hang verdict on rank 1, which slept)."""
+    windows = [list(t.window) for t in tracks if t.window]
+    if not windows:
+        return False
+    recent = [s.total for w in windows for s in w[-8:]]
+    last = max(w[-1].end for w in windows)
+    return now - last > max(STALL_S, STALL_STEPS * statistics.median(recent))
 
 
 class Track:
@@ -214,7 +231,7 @@ class SpeedWatch:
         for text in self.peers.speed_from_others():
             for item in json.loads(text):
                 self.summaries[int(item["rank"])] = RankSummary(**item)
-        if self.threshold <= 0:
+        if self.threshold <= 0 or stalled(self.tracks.values(), time.time()):
             return
         every = list(self.summaries.values())
         what, finding = self.episodes.update(straggler.find(every, self.threshold))
