@@ -245,3 +245,16 @@ def test_a_rank_that_raises_is_shown_once_and_its_victims_are_named_victims(tmp_
         job.stderr
     ), job.stderr
     assert "failed the same way" not in job.stderr
+
+
+def test_model_module_at_world_size_one_ends_with_the_fix_line_run_without_ddpkit_run(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPTS / "module_habit.py")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=bound(60))  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "AttributeError: 'Sequential' object has no attribute 'module'" in out.stderr
+    assert (
+        out.stderr.rstrip()
+        .splitlines()[-1]
+        .startswith("ddpkit: fix: `model.module` is DDP's: with one process s.wrap")
+    ), out.stderr
+    assert "use ddpkit.unwrap(model)" in out.stderr
