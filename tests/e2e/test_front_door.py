@@ -255,3 +255,25 @@ def test_model_module_at_world_size_one_ends_with_the_fix_line_run_without_ddpki
     last = out.stderr.rstrip().splitlines()[-1].removeprefix("[rank0]: ")  # torch's own prefix
     assert last.startswith("ddpkit: fix: `model.module` is DDP's: with one process s.wrap"), last
     assert "use ddpkit.unwrap(model)" in out.stderr
+
+
+@pytest.mark.skipif(terminal.available() is not None, reason=str(terminal.available()))
+def test_a_persons_second_ctrl_c_in_a_terminal_kills_at_once_and_the_report_says_so(tmp_path):
+    command = [sys.executable, "-m", "ddpkit", "run", "--log-dir", str(tmp_path), "-n", "2",
+               "--grace", "60", str(SCRIPTS / "ignore_all.py")]  # fmt: skip
+    term = terminal.Terminal(command, tmp_path)
+    try:
+        term.wait_for("[rank 0] ready", bound(60))
+        term.wait_for("[rank 1] ready", bound(60))
+        term.keys("C-c")
+        time.sleep(0.6)  # a person's second press, not an echo of the first
+        pressed = time.monotonic()
+        term.keys("C-c")
+        code = term.exit_code(bound(30))
+        took = time.monotonic() - pressed
+        screen = term.screen()
+    finally:
+        term.close()
+    assert took < bound(5), f"{took:.1f} s with a 60 s grace"
+    assert code == 130, screen
+    assert "ranks 0,1 killed at once on a second Ctrl+C" in screen
