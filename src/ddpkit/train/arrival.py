@@ -129,6 +129,9 @@ def _connect(wait: Wait) -> dist.TCPStore:
                 fix=port_taken_fix(env.master_port, "the"),
             ) from None
         raise _unreachable(wait) from None
+    # the store's later calls (init_process_group's own) get the whole init timeout, as they
+    # did when torch's connect waited: the time spent waiting for rank 0 is not theirs to lose
+    store.set_timeout(timedelta(seconds=wait.timeout))
     return store
 
 
