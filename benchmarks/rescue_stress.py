@@ -103,7 +103,7 @@ def main() -> int:
         elif "wrote the state of the last completed step" in err and resumed is not None:
             done = max(int(k) for k in DONE_FIRST.findall(out))
             twice = sorted(k for k, v in got.items() if len(v) > 1)
-            said = re.search(r"restarted from step (\d+) in ([\d.]+) s, 0 steps lost", err)
+            said = re.search(r"resumed after step (\d+) in ([\d.]+) s, 0 steps lost", err)
             kind = "FAILED" if twice or not said else "rescued"
             detail = f"resumed at step {resumed[1]}, {done - int(resumed[1])} step(s) lost"
             detail += f", restarted in {said[2]} s" if said else "; NO RECOVERY LINE"

@@ -129,10 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     merged = profile_breakdown.merge(folder)
     recordings = profile_breakdown.read(folder, _timed_steps(state_dirs))
-    report = profile_breakdown.text(recordings, folder, merged)
-    (folder / "breakdown.txt").write_text(report + "\n")
-    profile_breakdown.plot(recordings, folder / "breakdown.png")
-    print(report)
+    print(profile_breakdown.write(recordings, folder, merged))
     return 0
 
 

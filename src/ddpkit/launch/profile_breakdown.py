@@ -66,15 +66,23 @@ def once_written(
         rings = {r: timed_steps(r) for r in ranks}
         timed = {r: ring.steps for r, ring in rings.items() if ring is not None}
         recordings = read(folder, timed)
-        said = text(recordings, folder, merged)
-        (folder / "breakdown.txt").write_text(said + "\n")
-        drawn = plot(recordings, folder / "breakdown.png")
-        said += f"\nthis breakdown is in {folder / 'breakdown.txt'}" + (
-            f", drawn in {folder / 'breakdown.png'}" if drawn else ""
-        )
+        said = write(recordings, folder, merged)
     except (OSError, ValueError) as err:
         said = f"the recording of steps {steps[0]}-{steps[1]} could not be read: {err}"
     return said
+
+
+def write(recordings: list[RankRecording], folder: Path, merged: Path | None) -> str:
+    """The breakdown's text, written to breakdown.txt and drawn in breakdown.png (where
+    matplotlib is installed), with a last line that says where they are."""
+    said = text(recordings, folder, merged)
+    (folder / "breakdown.txt").write_text(said + "\n")
+    drawn = plot(recordings, folder / "breakdown.png")
+    return (
+        said
+        + f"\nthis breakdown is in {folder / 'breakdown.txt'}"
+        + (f", drawn in {folder / 'breakdown.png'}" if drawn else "")
+    )
 
 
 def read(folder: Path, timed: dict[int, list[protocol.Step]]) -> list[RankRecording]:
