@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,11 @@ def test_the_accumulation_example_trains(tmp_path):
 def test_the_resume_example_stopped_goes_on_where_it_was(tmp_path):
     job = start(["-n", "2", str(EXAMPLES / "resume.py")], tmp_path)
     job.wait_for("training from step 0", bound(60))
+    deadline = time.monotonic() + bound(60)
+    while not list((tmp_path / "ckpt").glob("state-*")):  # its first save, at step 100
+        assert job.proc.poll() is None or list((tmp_path / "ckpt").glob("state-*")), job.stderr
+        assert time.monotonic() < deadline, job.stderr
+        time.sleep(0.01)
     job.proc.send_signal(signal.SIGTERM)
     job.finish(bound(60))
     stopped = re.search(r"stopped at step (\d+), state saved", job.stdout)
