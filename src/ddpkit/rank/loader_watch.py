@@ -5,24 +5,21 @@ times the steps it should. torch says nothing; the script ends with exit 0.
 
 Installed by the bootstrap when torch.utils.data.dataloader is imported. Each rank that starts
 iterating such a loader while training (gradients on, a process group of more than one) writes
-where in its state file `rank<R>.unsharded`; rank 0, once its own loader is such, looks for the
-other ranks' files of its node for a while and says it when every one has written it (a loader
-that rank 0 alone iterates, an evaluation on rank 0, is not the mistake).
+where in its state file `rank<R>.unsharded`; the rank that finds every rank of its node has
+written one says it, once (a loader that rank 0 alone iterates, an evaluation on rank 0, is
+not the mistake).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
 
 UNSHARDED = "unsharded"  # the rank's file: where it iterates a loader with no sharding
-LOOK_FOR_S = 120.0  # how long rank 0 looks for its peers' files
 _state = {"written": False}
 
 
@@ -65,13 +62,8 @@ def _look(loader: Any, state_dir: Path, rank: str, caller: Any) -> None:
     site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
     batches = len(loader) if hasattr(loader, "__len__") else 0
     protocol.state_path(state_dir, rank, UNSHARDED).write_text(f"{site}\t{what}\t{batches}\n")
-    if rank == "0":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        world = dist.get_world_size()
-        threading.Thread(
-            target=_say_when_all, args=(state_dir, local, world), daemon=True,
-            name="ddpkit-loader-watch",
-        ).start()  # fmt: skip
+    _say_when_all(state_dir, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+                  dist.get_world_size())  # fmt: skip
 
 
 def unsharded(loader: Any) -> str | None:
@@ -95,26 +87,28 @@ def unsharded(loader: Any) -> str | None:
 
 
 def _say_when_all(state_dir: Path, local: int, world: int) -> None:
-    deadline = time.monotonic() + LOOK_FOR_S
-    first = state_dir / f"rank0.{UNSHARDED}"
-    while time.monotonic() < deadline:
-        found = [protocol.state_path(state_dir, r, UNSHARDED) for r in _ranks_here(state_dir)]
-        if len([f for f in found if f.exists()]) >= local:
-            site, what, batches = first.read_text().rstrip("\n").split("\t")
-            steps = f" (each rank iterates all {batches} batches where its share is about "
-            steps += f"{-(-int(batches) // world)})" if int(batches) else ")"
-            print(
-                "ddpkit: every rank iterates the whole data set of the DataLoader iterated at "
-                f"{site} "
-                f"({what}, no DistributedSampler): the job does the same work {world} times"
-                f"{steps}; use s.loader(dataset, batch_size=...) (it shards, shuffles and sets "
-                "the epoch), or DataLoader(dataset, sampler=DistributedSampler(dataset)) "
-                "without shuffle=True and sampler.set_epoch(epoch) before each epoch",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        time.sleep(0.5)
+    """Said by the rank that finds every rank of its node's file written (the last to write;
+    an exclusive create makes it one rank even when two find them at once)."""
+    here = [protocol.state_path(state_dir, r, UNSHARDED) for r in _ranks_here(state_dir)]
+    written = [p for p in here if p.exists()]
+    if len(written) < local:
+        return
+    try:
+        os.close(os.open(state_dir / f"{UNSHARDED}.said", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    site, what, batches = min(written).read_text().rstrip("\n").split("\t")
+    steps = f" (each rank iterates all {batches} batches where its share is about "
+    steps += f"{-(-int(batches) // world)})" if int(batches) else ")"
+    print(
+        "ddpkit: every rank iterates the whole data set of the DataLoader iterated at "
+        f"{site} ({what}, no DistributedSampler): the job does the same work {world} times"
+        f"{steps}; use s.loader(dataset, batch_size=...) (it shards, shuffles and sets "
+        "the epoch), or DataLoader(dataset, sampler=DistributedSampler(dataset)) "
+        "without shuffle=True and sampler.set_epoch(epoch) before each epoch",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _ranks_here(state_dir: Path) -> list[str]:
