@@ -206,6 +206,16 @@ def reentries(order: list[tuple[str, str]], callers: list[frozenset[str]]) -> in
     return count
 
 
+def window_figures(order: list[tuple[str, str]], size: int) -> list[tuple[float, int]]:
+    """For each run of `size` consecutive functions of the walk, its returns / stays, with the
+    index of its first function: a reader's cost over one sitting, not over the whole walk."""
+    figures: list[tuple[float, int]] = []
+    for start in range(max(1, len(order) - size + 1)):
+        rooms = stays(order[start : start + size])
+        figures.append((1 - len(set(rooms)) / len(rooms), start))
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("start", nargs="?", default="ddpkit.launch.supervisor:launch")
@@ -213,6 +223,9 @@ def main() -> int:
     parser.add_argument("--most", type=int, default=8, help="rooms returned to most")
     parser.add_argument("--src", type=Path, default=SRC, help="the folder packages are under")
     parser.add_argument("--package", default="ddpkit", help="the package (folder) walked")
+    parser.add_argument(
+        "--window", type=int, default=0, help="also the figure over every N consecutive functions"
+    )
     args = parser.parse_args()
     module, _, function = args.start.partition(":")
     walker = Walker(load(args.src, args.package))
@@ -239,6 +252,18 @@ def main() -> int:
     most = [f"{room} x{n}" for room, n in counts.most_common(args.most) if n > 1]
     if most:
         print("visited most: " + ", ".join(most))
+    if args.window:
+        figures = window_figures(walker.order, args.window)
+        ranked = sorted(f for f, _ in figures)
+        worst, at = max(figures)
+        part = walker.order[at : at + args.window]
+        rooms = stays(part)
+        shown = Counter(rooms).most_common(4)
+        print(
+            f"windows of {args.window} functions: median {ranked[len(ranked) // 2]:.0%}, "
+            f"worst {worst:.0%} (functions {at + 1}-{at + len(part)}, from {part[0][0]}:"
+            f"{part[0][1]}; " + ", ".join(f"{r} x{n}" for r, n in shown) + ")"
+        )
     return 0
 
 

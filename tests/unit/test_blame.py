@@ -12,6 +12,7 @@ import pytest
 from ddpkit.common import protocol
 from ddpkit.launch import report
 from ddpkit.launch.hang import blame, places
+from ddpkit.launch.hang.place import Doing, Place
 from tests.unit.snapshots import look, worker
 
 RANKS = (0, 1, 2)
@@ -50,7 +51,7 @@ def test_the_rank_the_others_timed_out_for_is_named_where_it_was(tmp_path, culpr
 
     def places_of(alive):
         asked.append(alive)
-        return dict.fromkeys(alive, ("is elsewhere: evaluate", "train.py:21"))
+        return dict.fromkeys(alive, Place(Doing.ELSEWHERE, "train.py:21", func="evaluate"))
 
     found = blame.find_culprit(look(tmp_path, workers), places_of)
     assert asked == [[culprit]], "only the live rank's place is asked for"
@@ -71,7 +72,10 @@ def test_a_victim_slower_to_exit_is_not_named_in_the_culprits_place(tmp_path, cu
     first, slow = others(culprit)
     lost(tmp_path, first, "Timed out waiting 6000ms for recv operation to complete", now)
     workers = [worker(culprit), worker(first, 1, now), worker(slow)]
-    where = {culprit: ("is elsewhere: evaluate", "train.py:21"), slow: ("gave no stack", "")}
+    where = {
+        culprit: Place(Doing.ELSEWHERE, "train.py:21", func="evaluate"),
+        slow: Place(Doing.NO_STACK),
+    }
     found = blame.find_culprit(look(tmp_path, workers), lambda alive: {r: where[r] for r in alive})
     assert found is not None
     assert found.rank == culprit
@@ -85,18 +89,21 @@ def test_a_victim_slower_to_exit_is_not_named_in_the_culprits_place(tmp_path, cu
 
 @pytest.mark.parametrize("culprit", RANKS)
 @pytest.mark.parametrize(
-    "state",
+    ("state", "words"),
     [
-        "holds the GIL in C code for 6 s: match",
-        "is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT 4242` resumes it)",
+        (Place(Doing.HOLDS_GIL, seconds=6, func="match"), "holds the GIL in C code for 6 s: match"),
+        (
+            Place(Doing.STOPPED, pid=4242),
+            "is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT 4242` resumes it)",
+        ),
     ],
 )
-def test_a_hang_verdict_puts_the_rank_that_cannot_run_apart_from_the_waiting(culprit, state):
-    where = dict.fromkeys(others(culprit), ("wait in all_reduce", "train.py:30"))
-    where[culprit] = (state, "train.py:16")
+def test_a_hang_verdict_puts_the_rank_that_cannot_run_apart_from_the_waiting(culprit, state, words):
+    where = dict.fromkeys(others(culprit), Place(Doing.WAITS_IN, "train.py:30", op="all_reduce"))
+    where[culprit] = state.at("train.py:16")
     said = places.verdict(where)
     a, b = others(culprit)
-    assert said == f"ranks {a},{b} wait in all_reduce (train.py:30); rank {culprit} {state} " + (
+    assert said == f"ranks {a},{b} wait in all_reduce (train.py:30); rank {culprit} {words} " + (
         "(train.py:16)"
     )
 
@@ -135,3 +142,14 @@ def test_the_first_error_that_is_not_a_lost_peer_is_the_root_cause_at_any_rank(t
     outcome = report.Outcome.rank_failed(look(tmp_path, failed))
     assert outcome.root_rank == culprit
     assert outcome.summary.startswith(f"rank {culprit} exited with code 1"), outcome.summary
+
+
+def test_a_restarts_report_says_the_attempt_and_no_exit_code(tmp_path):
+    outcome = report.Outcome(ok=False, exit_code=1, summary="rank 1 raised ValueError")
+    outcome.finalize([], look(tmp_path, []), tmp_path)
+    assert outcome.text.splitlines()[1] == "ddpkit: the job failed"
+    assert outcome.text.splitlines()[-1] == "  exit code: 1"
+    again = outcome.render(attempt="attempt 1 of 3").splitlines()
+    assert again[1] == "ddpkit: attempt 1 of 3: the job failed"
+    assert again[2] == "  root cause: rank 1 raised ValueError"
+    assert not any("exit code" in line for line in again)

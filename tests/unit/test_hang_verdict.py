@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from ddpkit.common import frames, protocol
+from ddpkit.launch.hang.place import Doing, Place
 from ddpkit.launch.hang.places import Frame, main_thread, parse_threads, user_frames, verdict, where
 
 # Library frames are where torch, ddpkit and Python really are on this machine.
@@ -35,23 +36,21 @@ def test_faulthandler_dumps_are_split_into_threads_and_frames():
 
 
 def test_a_rank_inside_a_collective_is_placed_there_from_its_stack():
-    assert where(main_thread(parse_threads(DUMP)), None, None) == (
-        "wait in all_reduce",
-        "train.py:42",
+    assert where(main_thread(parse_threads(DUMP)), None, None) == Place(
+        Doing.WAITS_IN, "train.py:42", op="all_reduce"
     )
 
 
 def test_without_a_stack_the_record_names_the_call_site_of_a_collective_in_flight():
     record = protocol.Record(3, 0, 1.0, True, "broadcast", "[4]", "model.py:7")
-    assert where([], record, None) == ("wait in broadcast", "model.py:7")
+    assert where([], record, None) == Place(Doing.WAITS_IN, "model.py:7", op="broadcast")
 
 
 def test_an_nccl_collective_pending_through_a_hang_places_the_host_at_its_sync_line():
     record = protocol.Record(5, 0, 0.0, False, "all_reduce", "[8]", "train.py:13")
     stack = [Frame("/home/me/train.py", 14, "<module>")]
-    assert where(stack, record, None, "nccl:all_reduce #6 (scheduled)", hung=True) == (
-        "wait in all_reduce",
-        "train.py:14",
+    assert where(stack, record, None, "nccl:all_reduce #6 (scheduled)", hung=True) == Place(
+        Doing.WAITS_IN, "train.py:14", op="all_reduce"
     )
 
 
@@ -65,9 +64,8 @@ def test_a_rank_busy_in_its_own_code_is_placed_there_whatever_it_launched_before
         Frame(SITE + "transformers/trainer.py", 2620, "_inner_training_loop"),
         Frame("/home/me/train_hf.py", 40, "main"),
     ]
-    assert where(stack, record, None, "gloo:all_reduce #9 (scheduled)", hung=True) == (
-        "is elsewhere: on_step_end",
-        "train_hf.py:15",
+    assert where(stack, record, None, "gloo:all_reduce #9 (scheduled)", hung=True) == Place(
+        Doing.ELSEWHERE, "train_hf.py:15", func="on_step_end"
     )
 
 
@@ -77,9 +75,8 @@ def test_a_live_rank_in_backward_is_in_backward_not_in_its_last_collective():
     record = protocol.Record(40, 0, 0.0, False, "all_reduce", "[1]", "slow.py:42")
     stack = [Frame(frames._torch_dir() + "_tensor.py", 625, "backward")]
     stack.append(Frame("/home/me/slow.py", 39, "<module>"))
-    assert where(stack, record, None, "gloo:allreduce #81 (scheduled)") == (
-        "is in backward",
-        "slow.py:39",
+    assert where(stack, record, None, "gloo:allreduce #81 (scheduled)") == Place(
+        Doing.IN_BACKWARD, "slow.py:39"
     )
 
 
@@ -91,21 +88,24 @@ def test_inside_a_framework_the_site_names_its_line_and_the_scripts_line_that_ca
         Frame("/home/me/train_hf.py", 40, "main"),
         Frame("/home/me/train_hf.py", 60, "<module>"),
     ]
-    assert where(stack, None, None, hung=True) == (
-        "wait in all_gather_into_tensor",
+    assert where(stack, None, None, hung=True) == Place(
+        Doing.WAITS_IN,
         "operations.py:355 in _gpu_gather_one from train_hf.py:40",
+        op="all_gather_into_tensor",
     )
 
 
 def test_an_exited_rank_says_so():
-    assert where([], None, 0) == ("has exited (code 0)", "")
+    place = where([], None, 0)
+    assert place == Place(Doing.EXITED, code=0)
+    assert place.words() == "has exited (code 0)"
 
 
 def test_the_verdict_groups_ranks_largest_group_first():
     places = {
-        0: ("wait in all_reduce", "train.py:42"),
-        1: ("is elsewhere: stuck_here", "train.py:17"),
-        2: ("wait in all_reduce", "train.py:42"),
+        0: Place(Doing.WAITS_IN, "train.py:42", op="all_reduce"),
+        1: Place(Doing.ELSEWHERE, "train.py:17", func="stuck_here"),
+        2: Place(Doing.WAITS_IN, "train.py:42", op="all_reduce"),
     }
     assert verdict(places) == (
         "ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: stuck_here (train.py:17)"
@@ -138,7 +138,7 @@ def test_user_code_in_folders_named_like_libraries_is_the_users():
 
 def test_a_collective_in_a_users_folder_named_distributed_is_not_torchs():
     mine = [Frame("/home/me/distributed/ops.py", 5, "all_reduce")]
-    assert where(mine, None, None) == ("is elsewhere: all_reduce", "ops.py:5")
+    assert where(mine, None, None) == Place(Doing.ELSEWHERE, "ops.py:5", func="all_reduce")
 
 
 def test_a_rank_blocked_in_backward_through_a_hang_waits_in_ddps_all_reduce():
@@ -148,7 +148,9 @@ def test_a_rank_blocked_in_backward_through_a_hang_waits_in_ddps_all_reduce():
         Frame("/home/me/train.py", 50, "_run_batch"),
         Frame("/home/me/train.py", 80, "<module>"),
     ]
-    assert where(stack, None, None, hung=True) == ("wait in all_reduce", "train.py:50")
+    assert where(stack, None, None, hung=True) == Place(
+        Doing.WAITS_IN, "train.py:50", op="all_reduce"
+    )
 
 
 @pytest.mark.parametrize(
@@ -228,7 +230,10 @@ def test_ranks_waiting_in_the_same_collective_are_no_mismatch(rows):
 def test_a_rank_doing_something_else_is_no_mismatch_of_collectives():
     from ddpkit.launch.hang.places import calls_of
 
-    places = {0: ("wait in all_reduce", "t.py:9"), 1: ("is elsewhere: evaluate", "t.py:20")}
+    places = {
+        0: Place(Doing.WAITS_IN, "t.py:9", op="all_reduce"),
+        1: Place(Doing.ELSEWHERE, "t.py:20", func="evaluate"),
+    }
     assert calls_of(places, {}) is None
 
 
@@ -262,7 +267,11 @@ def test_a_gpu_rank_standing_in_one_call_waits_for_its_gpu():
     still = protocol.Record(ticked=now, still=now - 30, gpu="d1c6a2f0-0000")
     said = gpu_wait(still, now)
     # here without NVML (CI): the GPU's utilisation cannot be read, and the verdict says so
-    assert said.startswith(("waits for its GPU, for 30 s with no step ended", "waits for GPU"))
+    assert said.doing is Doing.WAITS_FOR_GPU
+    assert said.seconds == 30
+    assert said.words().startswith(
+        ("waits for its GPU, for 30 s with no step ended", "waits for GPU")
+    )
 
 
 @pytest.mark.parametrize(
@@ -284,16 +293,14 @@ def test_a_moving_or_cpu_rank_does_not_wait_for_a_gpu(record):
 
 def test_a_gpu_rank_with_nccls_kernel_started_waits_in_the_collective_not_for_its_gpu():
     stack = [Frame("/home/me/train.py", 30, "<module>")]
-    gpu = "waits for GPU 0, busy for 40 s with no step ended (100% utilised)"
-    assert where(stack, None, None, "nccl:all_reduce #6 (started)", True, gpu) == (
-        "wait in all_reduce",
-        "train.py:30",
+    gpu = Place(Doing.WAITS_FOR_GPU, seconds=40, gpu=0, busy=100)
+    assert where(stack, None, None, "nccl:all_reduce #6 (started)", True, gpu) == Place(
+        Doing.WAITS_IN, "train.py:30", op="all_reduce"
     )
     # queued behind the rank's own kernel: its GPU's work is what never ends
-    assert where(stack, None, None, "nccl:all_reduce #6 (scheduled)", True, gpu) == (
-        gpu,
-        "train.py:30",
-    )
+    behind = where(stack, None, None, "nccl:all_reduce #6 (scheduled)", True, gpu)
+    assert behind == gpu.at("train.py:30")
+    assert behind.words() == "waits for GPU 0, busy for 40 s with no step ended (100% utilised)"
 
 
 # -- a long wait for a working rank: who waits ------------------------------------------------
@@ -364,3 +371,42 @@ def test_a_tick_kept_late_without_end_holds_the_verdict_no_longer_than_a_tick_co
     # after it was first held (the tick would have been decisive by then)
     assert not stalled_job(2.0, now=1000.0, held_since=997.0)
     assert stalled_job(2.0, now=1000.0, held_since=996.4)
+
+
+# -- a place is a value: another node reads it, the report's advice follows it ---------------
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        Place(Doing.EXITED, code=0),
+        Place(Doing.WAITS_IN, "train.py:9", op="all_reduce"),
+        Place(Doing.WAITS_FOR_GPU, "t.py:3", seconds=41.5, gpu=0, busy=100),
+        Place(Doing.STOPPED, "t.py:3", pid=4242),
+    ],
+)
+def test_a_place_crosses_to_another_node_unchanged(place):
+    import json
+
+    assert Place.from_json(json.loads(json.dumps(place.as_json()))) == place
+
+
+def test_the_hang_advice_follows_the_places_not_the_words_of_the_summary():
+    from ddpkit.launch.report import Outcome
+
+    gpu = Place(Doing.WAITS_FOR_GPU, seconds=40, gpu=0, busy=100)
+    ended = Place(Doing.EXITED, code=0)
+    waiting = Place(Doing.WAITS_IN, "t.py:9", op="all_reduce")
+    assert "a GPU kernel never finished" in Outcome.hang("x", "", 300, [gpu, waiting]).fix
+    assert "uneven inputs" in Outcome.hang("x", "", 300, [ended, waiting]).fix
+    plain = Outcome.hang("waits for GPU 0; has exited (code 0)", "", 300, [waiting]).fix
+    assert "GPU kernel" not in plain
+    assert "uneven" not in plain
+
+
+def test_several_ranks_in_one_place_are_said_with_a_plural_verb():
+    stuck = Place(Doing.HOLDS_GIL, "t.py:3", seconds=6, func="match")
+    assert (
+        verdict({0: stuck, 1: stuck}) == "ranks 0,1 hold the GIL in C code for 6 s: match (t.py:3)"
+    )
+    assert verdict({2: Place(Doing.EXITED, code=0)}) == "rank 2 has exited (code 0)"

@@ -60,7 +60,8 @@ def test_ranks_that_never_reached_init_are_named_once_the_others_waited_the_time
     workers = [worker(0), worker(1), worker(2)]  # rank 2 wrote nothing yet
     assert observe.missing_at_init(look(tmp_path, workers), timeout=60) is None
     verdict = observe.missing_at_init(look(tmp_path, workers), timeout=5)
-    assert verdict == (
+    assert verdict.missing == [1, 2]
+    assert verdict.line == (
         "rank 1,2 never reached init_process_group; rank 0 waited 10 s for it (--init-timeout 5)"
     )
 
@@ -161,7 +162,8 @@ def test_every_rank_inside_init_past_the_init_timeout_is_a_verdict_too(tmp_path)
         protocol.state_path(tmp_path, rank, protocol.PHASE).write_text(f"init {began}\n")
     workers = [worker(0), worker(1)]
     said = observe.missing_at_init(look(tmp_path, workers), timeout=5)
-    assert said.startswith("init_process_group did not complete: ranks 0,1 waited 10 s in it")
+    assert said.missing == []
+    assert said.line.startswith("init_process_group did not complete: ranks 0,1 waited 10 s in it")
     assert observe.missing_at_init(look(tmp_path, workers), timeout=60) is None, "not yet"
 
 

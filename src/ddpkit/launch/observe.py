@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch.hang.blame import waited
@@ -77,9 +78,35 @@ def settled(snap: Snapshot) -> bool:
     return not any(v.record is not None and v.record.in_collective for v in snap.running)
 
 
-def missing_at_init(snap: Snapshot, timeout: float) -> str | None:
-    """A verdict when some ranks have waited in init_process_group for `timeout` s while
-    others never got there."""
+@dataclass(frozen=True)
+class InitWait:
+    """Ranks that waited in init_process_group past --init-timeout, and the ranks that never
+    came (none: every rank came, and init never completed)."""
+
+    waiting: list[int]
+    missing: list[int]
+    waited: float
+    timeout: float
+
+    @property
+    def line(self) -> str:
+        if not self.missing:
+            return (
+                f"init_process_group did not complete: rank{'s' if len(self.waiting) > 1 else ''} "
+                f"{ranks_text(self.waiting)} waited {self.waited:.0f} s in it (--init-timeout "
+                f"{self.timeout:g}): the ranks called it with a store, world size or address "
+                "that does not match"
+            )
+        return (
+            f"rank {ranks_text(self.missing)} never reached init_process_group; rank "
+            f"{ranks_text(self.waiting)} waited {self.waited:.0f} s for it "
+            f"(--init-timeout {self.timeout:g})"
+        )
+
+
+def missing_at_init(snap: Snapshot, timeout: float) -> InitWait | None:
+    """Some ranks have waited in init_process_group for `timeout` s while others never got
+    there, or every rank did and init never completed; None otherwise."""
     waiting = {v.rank: v.phase_since for v in snap.ranks if v.phase == "init"}
     if not waiting:
         return None
@@ -87,17 +114,6 @@ def missing_at_init(snap: Snapshot, timeout: float) -> str | None:
     waited = snap.wall - min(waiting.values())
     if waited < timeout:
         return None
-    if not missing and len(waiting) == len(snap.ranks):  # all came, and init never completed
-        return (
-            f"init_process_group did not complete: rank{'s' if len(waiting) > 1 else ''} "
-            f"{ranks_text(sorted(waiting))} waited {waited:.0f} s in it (--init-timeout "
-            f"{timeout:g}): the ranks called it with a store, world size or address that does "
-            "not match"
-        )
-    if not missing:
+    if not missing and len(waiting) < len(snap.ranks):
         return None
-    return (
-        f"rank {ranks_text(missing)} never reached init_process_group; rank "
-        f"{ranks_text(sorted(waiting))} waited {waited:.0f} s for it "
-        f"(--init-timeout {timeout:g})"
-    )
+    return InitWait(sorted(waiting), missing, waited, timeout)

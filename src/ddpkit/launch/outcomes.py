@@ -18,6 +18,7 @@ from ddpkit.launch import causes, observe, report
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.decide import Verdict
 from ddpkit.launch.hang import blame, mismatch, places
+from ddpkit.launch.hang.place import Place
 from ddpkit.launch.output import CONSOLE
 from ddpkit.launch.peers.liveness import BEAT, Abort
 from ddpkit.launch.peers.peers import Peers, wait_for_word
@@ -73,7 +74,7 @@ def rank_failed(scene: Scene) -> report.Outcome:
     snap = scene.look(steps=True)
     outcome = report.Outcome.rank_failed(snap, causes.OomWatch(), scene.growth)
 
-    def places_of(ranks: list[int]) -> dict[int, tuple[str, str]]:
+    def places_of(ranks: list[int]) -> dict[int, Place]:
         return places.collect(scene.look().narrowed(ranks), hung=False, wait=scene.wait)[0]
 
     culprit = blame.find_culprit(snap, places_of)
@@ -130,7 +131,7 @@ def hung(scene: Scene) -> report.Outcome:
         )
         outcome.fix = mismatch.fix_line(differ, script_roots(scene.cfg))
         return outcome
-    return report.Outcome.hang(line, details, scene.cfg.hang_timeout)
+    return report.Outcome.hang(line, details, scene.cfg.hang_timeout, every.values())
 
 
 def missing_at_init(scene: Scene) -> report.Outcome:
@@ -138,11 +139,13 @@ def missing_at_init(scene: Scene) -> report.Outcome:
     never completed): where the missing ranks are instead, as the hang doctor shows them."""
     snap = scene.look()
     missing = observe.missing_at_init(snap, scene.cfg.init_timeout)
-    outcome = report.Outcome.launcher_failure(missing or "a rank never reached init")
+    outcome = report.Outcome.launcher_failure(
+        missing.line if missing else "a rank never reached init"
+    )
     absent = [v.rank for v in snap.ranks if v.absent]
     shown = snap.narrowed(absent) if absent else snap
     outcome.details = places.collect(shown, False, scene.wait)[1]
-    if not missing or missing.startswith("init_process_group did not complete"):
+    if missing is None or not missing.missing:
         outcome.fix = (
             "let ddpkit run give init its world size, rank and address (init_process_group("
             "backend) alone, or ddpkit.setup()); a script's own store or init_method='file://"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.common import protocol
@@ -21,6 +21,7 @@ from ddpkit.launch import causes
 from ddpkit.launch.causes import describe_exit, short
 from ddpkit.launch.hang import mismatch
 from ddpkit.launch.hang.blame import Culprit
+from ddpkit.launch.hang.place import Doing, Place
 from ddpkit.launch.peers.liveness import Abort
 from ddpkit.launch.rundir import open_private
 from ddpkit.launch.snapshot import Snapshot
@@ -45,6 +46,8 @@ class Outcome:
     grace: float = 0.0  # seconds the ranks were given to end after the launcher's signal
     fix: str = ""  # what the user can do, when ddpkit knows
     victims: list[int] | None = None  # ranks that failed only because of the root cause
+    title: str = ""  # 'the job failed', once finalized
+    lines: list[str] = field(default_factory=list)  # the report's lines under its title
 
     @classmethod
     def success(cls) -> Outcome:
@@ -61,19 +64,23 @@ class Outcome:
         )
 
     @classmethod
-    def hang(cls, summary: str, details: str, timeout: float) -> Outcome:
+    def hang(
+        cls, summary: str, details: str, timeout: float, places: Iterable[Place] = ()
+    ) -> Outcome:
+        """The hang report; `places`: where the ranks are, for the advice that fits them."""
+        doing = {(p.doing, p.code) for p in places}
         advice = (
             f"if a rank legitimately waits this long (a download, a long first step), "
             f"raise --hang-timeout (now {timeout:g} s); --hang-timeout 0 turns the watch off"
         )
-        if "waits for GPU" in summary or "waits for its GPU" in summary:
+        if any(d is Doing.WAITS_FOR_GPU for d, _ in doing):
             advice = (
                 "a GPU kernel never finished: a custom kernel that deadlocks or spins on a flag "
                 "that never comes, an out-of-bounds index in a kernel, or a wedged GPU "
                 "(nvidia-smi; the kernel log's Xid errors: dmesg | grep -i xid); "
                 "CUDA_LAUNCH_BLOCKING=1 names the kernel; " + advice
             )
-        if "has exited (code 0)" in summary:
+        if (Doing.EXITED, 0) in doing:
             advice = (
                 "a rank ended while the others still wait for it: the ranks ran different "
                 "numbers of steps (uneven inputs); give every rank the same number of batches "
@@ -156,7 +163,7 @@ class Outcome:
             title = "the job was stopped"
         elif self.from_node is not None:
             title += f" on node {self.from_node}"
-        lines = ["", f"ddpkit: {title}", f"  root cause: {self.summary}"]
+        lines = [f"  root cause: {self.summary}"]
         if self.fix:
             lines.append(f"  fix: {self.fix}")
         if self.details:
@@ -184,17 +191,25 @@ class Outcome:
                 "  other ranks: "
                 + "; ".join(f"{ranks_text(ranks)} {what}" for what, ranks in others.items())
             )
-        lines.append(f"  logs: {run_dir}")
-        lines.append(f"  exit code: {self.exit_code}")
         logs_lost = [w.output.log_error for w in workers if w.output.log_error]
         if logs_lost:
-            lines.insert(-2, "  logs cut short: " + "; ".join(logs_lost))
-        self.text = "\n".join(lines)
+            lines.append("  logs cut short: " + "; ".join(logs_lost))
+        lines.append(f"  logs: {run_dir}")
+        self.title, self.lines = title, lines
+        self.text = self.render()
         try:
             with os.fdopen(open_private(run_dir / "report.txt"), "w") as f:
                 f.write(self.text.lstrip("\n") + "\n")
         except OSError as err:  # a full disk must not hide the report on the console
-            self.text += f"\n  (report.txt not written: {err.strerror or err})"
+            self.lines.append(f"  (report.txt not written: {err.strerror or err})")
+            self.text = self.render()
+
+    def render(self, attempt: str = "") -> str:
+        """The report as said: at the job's end with its exit code; `attempt` ('attempt 1 of
+        3') for a failure the job restarts after, which ends nothing yet."""
+        head = f"ddpkit: {attempt}: {self.title}" if attempt else f"ddpkit: {self.title}"
+        tail = [] if attempt else [f"  exit code: {self.exit_code}"]
+        return "\n".join(["", head, *self.lines, *tail])
 
 
 def lost_a_peer(message: str) -> bool:

@@ -422,9 +422,8 @@ def _say_restart(job: Job, running: Running, new_round: bool, attempt: int) -> N
     if new_round:
         _say(f"the job's nodes change ({outcome.summary}): every node starts again")
         return
-    text = outcome.text.lstrip("\n").rsplit("\n  exit code:", 1)[0]
     tries = f"attempt {attempt} of {job.cfg.max_restarts + 1}"
-    _say(text.replace("ddpkit: the job ", f"ddpkit: {tries}: the job ", 1), prefix="")
+    _say(outcome.render(attempt=tries).lstrip("\n"), prefix="")
     _say(f"restarting the whole group ({attempt} of {job.cfg.max_restarts})")
 
 

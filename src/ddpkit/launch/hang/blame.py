@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
+from ddpkit.launch.hang.place import Doing, Place
 from ddpkit.launch.snapshot import RankView, Snapshot
 
 WAITING_WORDS = protocol.WAITING_WORDS  # a rank failed waiting for a peer
@@ -34,7 +35,7 @@ class Culprit:
 
 def find_culprit(
     snap: Snapshot,
-    places_of: Callable[[list[int]], dict[int, tuple[str, str]]],
+    places_of: Callable[[list[int]], dict[int, Place]],
 ) -> Culprit | None:
     """The rank the failed ranks waited for, when every failed rank failed waiting."""
     workers = snap.ranks
@@ -83,18 +84,18 @@ def find_culprit(
     if not alive:
         return None
     places = places_of(alive)
-    busy = [r for r, (what, _) in places.items() if not what.startswith("wait")]
+    busy = [r for r, place in places.items() if not place.waits]
     if not busy:
         return None
     # a rank with a place before one that gave no stack (it may be exiting)
-    busy.sort(key=lambda r: (places[r][0] == "gave no stack", r))
-    what, site = places[busy[0]]
-    at = f" ({site})" if site else ""
+    busy.sort(key=lambda r: (places[r].doing is Doing.NO_STACK, r))
+    place = places[busy[0]]
+    at = f" ({place.site})" if place.site else ""
     timed_out = any("imed out" in (e.message if e else "") for e in errors.values())
     how = "timed out waiting for it" if timed_out else "lost their connection waiting for it"
     return Culprit(
         busy[0],
-        f"rank {busy[0]} kept the others waiting: it {_verb(what)}{at} when rank{_s(victims)} "
+        f"rank {busy[0]} kept the others waiting: it {place.past()}{at} when rank{_s(victims)} "
         f"{ranks_text(victims)} {how}{where}",
         f"if rank {busy[0]} legitimately takes this long, raise the process group's timeout "
         "(ddpkit.setup(timeout=...), init_process_group(timeout=...)); or let every rank do "
@@ -147,15 +148,6 @@ def _victims_place(victims: tuple[RankView, ...]) -> str:
         if record is not None and record.op:
             return f" in {record.op} ({record.site})"
     return ""
-
-
-def _verb(what: str) -> str:
-    """A place ('is elsewhere: evaluate') as what the rank was doing ('was at evaluate')."""
-    if what.startswith("is elsewhere: "):
-        return "was at " + what.removeprefix("is elsewhere: ")
-    if what.startswith("is "):
-        return "was " + what.removeprefix("is ")
-    return what
 
 
 def _s(ranks: list[int]) -> str:

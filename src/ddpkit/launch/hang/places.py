@@ -24,6 +24,7 @@ from ddpkit.common.ranges import ranks_text
 from ddpkit.launch import asking
 from ddpkit.launch.hang import flight_dumps
 from ddpkit.launch.hang.mismatch import Call
+from ddpkit.launch.hang.place import Doing, Place
 from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.wait import Wait
 
@@ -121,18 +122,18 @@ def where(
     exit_code: int | None,
     pending: str | None = None,
     hung: bool = False,
-    state: str | None = None,
-) -> tuple[str, str]:
-    """(what the rank does, where) for one rank, decided by its stack. The progress record and
-    the flight recorder's pending collective are evidence, printed beside the stack; they decide
-    only when the rank gave no stack, and an NCCL collective pending through a hang: NCCL
-    returns at once, so such a rank's host waits at its next sync, wherever that is. `state`
-    (from `process_state`) names a rank that is stopped or holds the GIL in C code."""
+    state: Place | None = None,
+) -> Place:
+    """Where one rank is, decided by its stack. The progress record and the flight recorder's
+    pending collective are evidence, printed beside the stack; they decide only when the rank
+    gave no stack, and an NCCL collective pending through a hang: NCCL returns at once, so such
+    a rank's host waits at its next sync, wherever that is. `state` (from `process_state`)
+    names a rank that is stopped, holds the GIL in C code or waits for its GPU."""
     if exit_code is not None:
-        return f"has exited (code {exit_code})", ""
-    gpu_busy = state is not None and state.startswith("waits for")
+        return Place(Doing.EXITED, code=exit_code)
     if (
-        gpu_busy
+        state is not None
+        and state.doing is Doing.WAITS_FOR_GPU
         and hung
         and pending
         and pending.startswith("nccl:")
@@ -141,33 +142,32 @@ def where(
         # NCCL's kernel has started (the launcher turns NCCL's timing on, so the flight recorder
         # tells started from scheduled): the rank waits in that collective for a peer. One
         # still scheduled sits behind the rank's own GPU work, which is what never finishes.
-        return f"wait in {pending.split()[0].split(':', 1)[1]}", code_site(rank_frames)
+        return Place(Doing.WAITS_IN, code_site(rank_frames), op=_pending_op(pending))
     if state is not None:  # stopped, stuck in C code holding the GIL, waiting for its GPU
-        called = rank_frames[0].func if rank_frames else ""
-        if state.startswith("holds the GIL") and called:
-            state += f": {called}"
-        return state, code_site(rank_frames) if rank_frames else (record.site if record else "")
+        if state.doing is Doing.HOLDS_GIL and rank_frames:
+            state = Place(Doing.HOLDS_GIL, seconds=state.seconds, func=rank_frames[0].func)
+        return state.at(code_site(rank_frames) if rank_frames else (record.site if record else ""))
     if not rank_frames:
         site = record.site if record is not None else ""
         if record is not None and record.in_collective:
-            return f"wait in {record.op}", site
+            return Place(Doing.WAITS_IN, site, op=record.op)
         if pending and hung:
-            return f"wait in {pending.split()[0].split(':', 1)[-1]}", site
-        return "gave no stack", site
+            return Place(Doing.WAITS_IN, site, op=_pending_op(pending))
+        return Place(Doing.NO_STACK, site)
     site = code_site(rank_frames)
     modules = [(f, torch_module(f.file) or "") for f in rank_frames]
     for f, module in modules:
         if f.func in protocol.COLLECTIVES and module.startswith("distributed/"):
-            return f"wait in {f.func}", site
+            return Place(Doing.WAITS_IN, site, op=f.func)
         if f.func == "init_process_group" and module.startswith("distributed/"):
-            return "wait in init_process_group", site
+            return Place(Doing.IN_INIT, site)
     if any(module.startswith("utils/data/") for _, module in modules):
-        return "wait for a DataLoader batch", site
+        return Place(Doing.WAITS_FOR_BATCH, site)
     fsdp = [f for f, module in modules if module.startswith("distributed/fsdp/")]
     if fsdp and hung:  # FSDP2 waits for its own collectives inside its hooks
         names = " ".join(f.func for f in fsdp)
         kind = "reduce-scatter" if "reduce" in names or "post_backward" in names else "all-gather"
-        return f"wait in FSDP's {kind}", site
+        return Place(Doing.WAITS_IN, site, op=f"FSDP's {kind}")
     in_backward = any(
         (module == "_tensor.py" and f.func == "backward")
         or (module.startswith("autograd/") and f.func in ("backward", "_engine_run_backward"))
@@ -176,29 +176,35 @@ def where(
     if in_backward:
         # DDP's reducer all-reduces gradients inside backward: through a hang (no CPU used),
         # that is where the rank waits; in a live job's snapshot, it computes gradients
-        return ("wait in all_reduce" if hung else "is in backward"), site
+        return (
+            Place(Doing.WAITS_IN, site, op="all_reduce") if hung else Place(Doing.IN_BACKWARD, site)
+        )
     if pending and hung and pending.startswith("nccl:"):
-        return f"wait in {pending.split()[0].split(':', 1)[1]}", site
+        return Place(Doing.WAITS_IN, site, op=_pending_op(pending))
     innermost = user_frames(rank_frames) or rank_frames
     # a comprehension or generator is part of the function that holds it: name that one
     named = [f for f in innermost if f.func in ("<module>",) or not f.func.startswith("<")]
-    func = (named or innermost)[0].func
-    return f"is elsewhere: {func}", site
+    return Place(Doing.ELSEWHERE, site, func=(named or innermost)[0].func)
 
 
-def verdict(places: dict[int, tuple[str, str]], hosts: dict[int, str] | None = None) -> str:
+def _pending_op(pending: str) -> str:
+    """'all_reduce' of the flight recorder's 'nccl:all_reduce #6 (started)'."""
+    return pending.split()[0].split(":", 1)[-1]
+
+
+def verdict(places: dict[int, Place], hosts: dict[int, str] | None = None) -> str:
     """'ranks 0,2 wait in all_reduce (train.py:42); rank 1 is elsewhere: f (train.py:17)'; with
     ranks on several hosts, each group says which: 'ranks 0,1 on node0 and 2 on node1 ...'."""
     groups: dict[tuple[str, str], list[int]] = {}
     for rank, place in sorted(places.items()):
-        groups.setdefault(place, []).append(rank)
+        groups.setdefault((place.words(ranks=2), place.site), []).append(rank)
     ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
     shown = hosts if hosts is not None and len(set(hosts.values())) > 1 else None
     parts = []
-    for (what, site), ranks in ordered:
+    for (_, site), ranks in ordered:
         who = f"rank{'s' if len(ranks) > 1 else ''} {_on_hosts(ranks, shown)}"
-        verb = re.sub(r"^is\b", "are", what) if len(ranks) > 1 else _singular(what)
-        parts.append(f"{who} {verb}" + (f" ({site})" if site else ""))
+        said = places[ranks[0]].words(len(ranks))
+        parts.append(f"{who} {said}" + (f" ({site})" if site else ""))
     return "; ".join(parts)
 
 
@@ -211,13 +217,9 @@ def _on_hosts(ranks: list[int], hosts: dict[int, str] | None) -> str:
     return " and ".join(f"{ranks_text(rs)} on {host}" for host, rs in by_host.items())
 
 
-def _singular(what: str) -> str:
-    return re.sub(r"^wait\b", "waits", what)
-
-
 @dataclass(frozen=True)
 class Evidence:
-    places: dict[int, tuple[str, str]]  # rank -> (what it does, where)
+    places: dict[int, Place]
     details: str  # each rank's stack and the evidence beside it, for the report
     calls: dict[int, Call]  # rank -> the collective it waits in, as its records say
 
@@ -226,8 +228,8 @@ def collect(
     snap: Snapshot,
     hung: bool | set[int] = True,
     wait: Wait | None = None,
-) -> tuple[dict[int, tuple[str, str]], str]:
-    """Collect stacks and records of this node's ranks: rank -> (what, where), and details:
+) -> tuple[dict[int, Place], str]:
+    """Collect stacks and records of this node's ranks: rank -> its place, and details:
     each rank's stack, then the evidence beside it (its progress record, its flight recorder).
     hung=False reads a live job (`ddpkit stacks`): a rank in backward computes there; a set
     names the ranks that are known to wait."""
@@ -249,9 +251,7 @@ def evidence(
     answering = {r: pid for r, pid in alive.items() if not _stopped(states[r])}
     wait = wait or Wait()  # a signal (or a lost peer) cuts the waits short
     texts = dump_stacks(answering, state_dir, wait)
-    served = [
-        r for r in answering if snap.of(r).answers and not (states[r] or "").startswith("holds")
-    ]
+    served = [r for r in answering if snap.of(r).answers and not _holds_gil(states[r])]
     recorded = (
         flight_dumps.request(served, state_dir, wait) if served and not wait.cancelled else {}
     )
@@ -262,12 +262,13 @@ def evidence(
         in_flight = flight_dumps.pending(recorded[w.rank]) if w.rank in recorded else None
         state = states.get(w.rank)
         waits = hung if isinstance(hung, bool) else w.rank in hung
-        places[w.rank] = where(frames, record, w.exit_code, in_flight, waits, state)
-        what, site = places[w.rank]
-        call = waiting_call(w.rank, what, site, record, recorded.get(w.rank))
+        place = places[w.rank] = where(frames, record, w.exit_code, in_flight, waits, state)
+        call = waiting_call(w.rank, place, record, recorded.get(w.rank))
         if call is not None:
             calls[w.rank] = call
-        details.append(f"  rank {w.rank} {_singular(what)}" + (f" at {site}" if site else ""))
+        details.append(
+            f"  rank {w.rank} {place.words()}" + (f" at {place.site}" if place.site else "")
+        )
         details.extend(f"    {f}" for f in shown_frames(frames))
         if record is not None and record.in_collective:
             shapes = f" with shapes {record.shapes}" if record.shapes else ""
@@ -294,13 +295,14 @@ def evidence(
 
 
 def waiting_call(
-    rank: int, what: str, site: str, record: protocol.Record | None, dump: flight_dumps.Dump | None
+    rank: int, place: Place, record: protocol.Record | None, dump: flight_dumps.Dump | None
 ) -> Call | None:
     """The collective a rank waits in, with its shapes (progress record) and sequence number
     (flight recorder) where they say the same collective."""
-    if not what.startswith("wait in ") or what in ("wait in init_process_group",):
+    op = place.collective
+    if op is None:
         return None
-    op = what.removeprefix("wait in ")
+    site = place.site
     shapes = (
         record.shapes if record is not None and record.in_collective and record.op == op else ""
     )
@@ -313,12 +315,12 @@ def waiting_call(
     return Call(rank, op, site, shapes, seq if seq is not None and seq >= 0 else None)
 
 
-def calls_of(places: dict[int, tuple[str, str]], local: dict[int, Call]) -> list[Call] | None:
+def calls_of(places: dict[int, Place], local: dict[int, Call]) -> list[Call] | None:
     """Every rank's collective, when every rank waits in one (this node's with their records,
     another node's from its place alone); None when a rank does something else."""
     calls = []
-    for rank, (what, site) in sorted(places.items()):
-        call = local.get(rank) or waiting_call(rank, what, site, None, None)
+    for rank, place in sorted(places.items()):
+        call = local.get(rank) or waiting_call(rank, place, None, None)
         if call is None:
             return None
         calls.append(call)
@@ -338,35 +340,38 @@ def describe(
     return f"no rank made progress for {stall:.0f} s: {verdict(places)}", details
 
 
-def _stopped(state: str | None) -> bool:
-    return state is not None and state.startswith("is stopped")
+def _stopped(state: Place | None) -> bool:
+    return state is not None and state.stopped
 
 
-def process_state(pid: int, record: protocol.Record | None) -> str | None:
+def _holds_gil(state: Place | None) -> bool:
+    return state is not None and state.doing is Doing.HOLDS_GIL
+
+
+def process_state(pid: int, record: protocol.Record | None) -> Place | None:
     """What stops a live rank from running Python, when something does: a stop signal or a
-    debugger ('is stopped (SIGSTOP/SIGTSTP): `kill -CONT 123` resumes it', 'is stopped by a
-    debugger: pid 77 (gdb) traces it'), or C code that holds the GIL (its tick thread has not
-    run for GIL_STALE s). None for a rank that runs."""
+    debugger, a debugger's prompt, C code that holds the GIL (its tick thread has not run for
+    GIL_STALE s), or its GPU. None for a rank that runs."""
     try:
         status = psutil.Process(pid).status()
     except psutil.Error:
         return None
     tracer = _tracer(pid)
     if tracer and status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-        return f"is stopped by a debugger: pid {tracer} traces it"
+        return Place(Doing.TRACED, tracer=tracer)
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-        return f"is stopped (SIGSTOP, SIGTSTP or Ctrl+Z; `kill -CONT {pid}` resumes it)"
+        return Place(Doing.STOPPED, pid=pid)
     if record is not None and record.prompt:
-        return "is at a debugger prompt (pdb)"
+        return Place(Doing.AT_PROMPT)
     if record is not None and record.ticked and time.time() - record.ticked > GIL_STALE:
-        return f"holds the GIL in C code for {time.time() - record.ticked:.0f} s"
+        return Place(Doing.HOLDS_GIL, seconds=time.time() - record.ticked)
     return gpu_wait(record)
 
 
 GPU_STILL = 2.0  # seconds a GPU rank's thread stands in one call, no allocation, to be waiting
 
 
-def gpu_wait(record: protocol.Record | None, now: float | None = None) -> str | None:
+def gpu_wait(record: protocol.Record | None, now: float | None = None) -> Place | None:
     """'waits for GPU 0, busy for 40 s with no step ended (100% utilised)': a rank whose
     script stands in one call (a sync: loss.item(), .cpu(), synchronize) while its GPU runs
     and no new GPU allocation is made; None otherwise. A GPU that reads idle (NVML) means the
@@ -381,14 +386,11 @@ def gpu_wait(record: protocol.Record | None, now: float | None = None) -> str | 
     seen = utilization(record.gpu)
     waited = now - record.still
     if seen is None:
-        return (
-            f"waits for its GPU, for {waited:.0f} s with no step ended (its utilisation is "
-            "unknown here: pip install nvidia-ml-py)"
-        )
+        return Place(Doing.WAITS_FOR_GPU, seconds=waited)
     index, busy = seen
     if busy <= 0:
         return None
-    return f"waits for GPU {index}, busy for {waited:.0f} s with no step ended ({busy}% utilised)"
+    return Place(Doing.WAITS_FOR_GPU, seconds=waited, gpu=index, busy=busy)
 
 
 def _tracer(pid: int) -> str:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.hang.place import Doing, Place
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup, register, serves_rendezvous
@@ -110,12 +111,12 @@ def ask_places(node: NodeGroup) -> None:
 
 def collect_places(
     node: NodeGroup,
-    own: dict[int, tuple[str, str]],
+    own: dict[int, Place],
     own_details: str,
     ranks_per_node: int,
     wait: Wait,
-) -> tuple[dict[int, tuple[str, str]], dict[int, str] | None, str]:
-    """Node 0: every node's places (rank -> (what, where)), every rank's host, and the details
+) -> tuple[dict[int, Place], dict[int, str] | None, str]:
+    """Node 0: every node's places, every rank's host, and the details
     text; a node that does not answer within PLACES_WAIT is named as such."""
     places, hosts = dict(own), dict.fromkeys(own, node.host_of(0))
     details = [f"  node 0 ({node.host_of(0)}):", own_details]
@@ -135,12 +136,12 @@ def collect_places(
     for n in range(1, node.nnodes):
         first = n * ranks_per_node
         if n in answers:
-            for rank, (what, site) in answers[n]["places"].items():
-                places[int(rank)], hosts[int(rank)] = (what, site), node.host_of(n)
+            for rank, place in answers[n]["places"].items():
+                places[int(rank)], hosts[int(rank)] = Place.from_json(place), node.host_of(n)
             details += [f"  node {n} ({node.host_of(n)}):", answers[n]["details"]]
         else:
             for rank in range(first, first + ranks_per_node):
-                places[rank] = ("did not answer", "")
+                places[rank] = Place(Doing.NODE_SILENT)
                 hosts[rank] = node.host_of(n)
             details.append(f"  node {n} ({node.host_of(n)}): did not say where its ranks are")
     return places, hosts, "\n".join(details)

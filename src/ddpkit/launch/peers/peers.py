@@ -10,13 +10,14 @@ import contextlib
 import json
 from typing import Protocol
 
+from ddpkit.launch.hang.place import Place
 from ddpkit.launch.peers import crossnode, keys
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.store import StoreUnreachableError
 from ddpkit.launch.wait import Wait
 
-Places = dict[int, tuple[str, str]]
+Places = dict[int, Place]
 
 
 class Peers(Protocol):
@@ -145,7 +146,10 @@ class NodePeers:
 
     def answer_places(self, places: Places, details: str) -> None:
         if self.node.store is not None:
-            record = {"places": {str(r): list(p) for r, p in places.items()}, "details": details}
+            record = {
+                "places": {str(r): p.as_json() for r, p in places.items()},
+                "details": details,
+            }
             with contextlib.suppress(StoreUnreachableError):
                 self.node.store.set(keys.places(self.node.group_rank), json.dumps(record))
 
