@@ -17,8 +17,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ddpkit.common import protocol
-from ddpkit.launch.snapshot import Reader
-from ddpkit.launch.worker import Worker
+from ddpkit.launch.base.snapshot import Reader
+from ddpkit.launch.base.worker import Worker
 
 
 def main() -> None:

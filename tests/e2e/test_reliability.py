@@ -238,7 +238,7 @@ def test_two_jobs_with_one_run_id_get_folders_of_their_own(tmp_path):
 
 
 def test_old_run_folders_beyond_the_newest_50_are_removed(tmp_path):
-    from ddpkit.launch import rundir
+    from ddpkit.launch.base import rundir
 
     old = time.time() - 30 * 86400
     for i in range(60):

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.hang import flight_dumps
-from ddpkit.launch.wait import Wait
 from tests.groups.harness import run_ranks
 
 torch = pytest.importorskip("torch")

@@ -1,14 +1,14 @@
 """Workers without processes, and the snapshot the supervisor would take of them: the decision
 tables give ranks their exit codes and write real state files (ddpkit.common.protocol's
-formats); `look` reads those files as the supervisor does, through ddpkit.launch.snapshot."""
+formats); `look` reads those files as the supervisor does, through ddpkit.launch.base.snapshot."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
-from ddpkit.launch.snapshot import Reader, Snapshot
-from ddpkit.launch.worker import Worker
+from ddpkit.launch.base.snapshot import Reader, Snapshot
+from ddpkit.launch.base.worker import Worker
 
 
 def worker(rank: int, exit_code: int | None = None, ended: float = 0.0) -> Worker:

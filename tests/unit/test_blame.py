@@ -11,8 +11,8 @@ import pytest
 
 from ddpkit.common import protocol
 from ddpkit.launch import report
+from ddpkit.launch.base.place import Doing, Place
 from ddpkit.launch.hang import blame, places
-from ddpkit.launch.hang.place import Doing, Place
 from tests.unit.snapshots import look, worker
 
 RANKS = (0, 1, 2)

@@ -59,7 +59,7 @@ def test_unknown_command_is_a_usage_error():
 
 
 def _torchrun_only(action) -> bool:
-    from ddpkit.launch import torchrun_flags
+    from ddpkit.launch.base import torchrun_flags
 
     names = {*torchrun_flags.UNSUPPORTED, "use-env", "use-local-rank-arg", "redirects", "tee"}
     names |= {"rdzv-backend", "standalone", "monitor-interval", "start-method", "role"}

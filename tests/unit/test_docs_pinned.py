@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ddpkit.launch import config
+from ddpkit.launch.base import config
 
 DOCS = Path(__file__).parents[2] / "docs"
 

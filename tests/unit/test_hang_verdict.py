@@ -7,8 +7,9 @@ import threading
 import pytest
 
 from ddpkit.common import frames, protocol
-from ddpkit.launch.hang.place import Doing, Place
-from ddpkit.launch.hang.places import Frame, main_thread, parse_threads, user_frames, verdict, where
+from ddpkit.common.frames import Frame, main_thread, parse_threads, user_frames
+from ddpkit.launch.base.place import Doing, Place
+from ddpkit.launch.hang.places import verdict, where
 
 # Library frames are where torch, ddpkit and Python really are on this machine.
 C10D = frames._torch_dir() + "distributed/distributed_c10d.py"
@@ -335,9 +336,9 @@ def stalled_job(ticked_ago: float, now: float = 1000.0, held_since: float = 0.0)
     made progress for 6 s against a hang timeout of 4 s; the verdict held since `held_since`."""
     from pathlib import Path
 
+    from ddpkit.launch.base.snapshot import RankView, Snapshot
     from ddpkit.launch.hang.progress_watch import HangWatch, RankState
     from ddpkit.launch.peers.peers import NoPeers
-    from ddpkit.launch.snapshot import RankView, Snapshot
 
     waiting = protocol.Record(1, 0, now - 6, True, "all_reduce", ticked=now)
     views = tuple(

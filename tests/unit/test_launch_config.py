@@ -8,7 +8,7 @@ import pytest
 
 from ddpkit.cli.run import split_argv
 from ddpkit.errors import ConfigError
-from ddpkit.launch import config, mistakes
+from ddpkit.launch.base import config, mistakes
 
 
 def parse(words: list[str], environ: dict[str, str] | None = None) -> config.LaunchConfig:
@@ -150,7 +150,7 @@ def test_srun_with_several_tasks_per_node_is_refused(script, gpus):
 
 
 def test_privileged_port_gets_a_warning():
-    from ddpkit.launch.ports import warn_privileged
+    from ddpkit.launch.base.ports import warn_privileged
 
     assert "privileged" in warn_privileged(1010)
     assert warn_privileged(29500) is None
@@ -195,7 +195,7 @@ def test_a_flag_and_then_ddpkits_variable_win_over_pet_variables(script, gpus):
 
 
 def test_pet_variables_reach_torchruns_own_flags_too(script, gpus):
-    from ddpkit.launch import torchrun_flags
+    from ddpkit.launch.base import torchrun_flags
 
     def with_torchrun_flags(environ: dict[str, str]) -> config.LaunchConfig:
         parser = argparse.ArgumentParser()

@@ -1,5 +1,5 @@
 """The launcher's decisions as tables: what an observation means, and what follows an attempt.
-No process runs here: the decisions are pure functions of plain data (ddpkit.launch.decide)."""
+No process runs here: the decisions are pure functions of plain data (ddpkit.launch.base.decide)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from ddpkit.launch.decide import (
+from ddpkit.launch.base.decide import (
     Attempt,
     Next,
     Observation,

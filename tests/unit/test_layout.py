@@ -90,3 +90,71 @@ def test_the_frames_module_knows_where_ddpkit_and_its_bootstrap_are():
     assert Path(frames.BOOTSTRAP).is_file()
     assert frames.is_library(str(SRC / "train" / "session.py"))
     assert not frames.is_library(str(SRC / "examples" / "digits.py"))
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """ddpkit's modules and the ddpkit modules each imports (anywhere in it, lazily too)."""
+    names = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                found |= {base, *(f"{base}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {n for n in found if n in names and n != name}
+    return graph
+
+
+def test_no_two_modules_import_each_other_even_through_others():
+    graph = _module_graph()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                if nxt == goal:
+                    return True
+                seen.add(nxt)
+                todo.append(nxt)
+        return False
+
+    packages = {n for n in graph if (SRC.parent / n.replace(".", "/") / "__init__.py").exists()}
+    cycles = sorted(
+        f"{a} <-> {b}"
+        for a in graph
+        for b in graph[a] - packages
+        if a not in packages and reaches(b, a)
+    )
+    assert not cycles
+
+
+def test_the_launchers_folders_read_bottom_up():
+    # base/ (what every part names) <- peers/ (the other nodes) <- hang/, speed/ (the watches)
+    # <- the loop at launch/'s root
+    below = {
+        "launch/base": ("ddpkit.launch.base",),
+        "launch/peers": ("ddpkit.launch.base", "ddpkit.launch.peers"),
+        "launch/hang": ("ddpkit.launch.base", "ddpkit.launch.peers", "ddpkit.launch.hang"),
+        "launch/speed": ("ddpkit.launch.base", "ddpkit.launch.peers", "ddpkit.launch.speed"),
+    }
+    for folder, allowed in below.items():
+        wrong = {
+            module: bad
+            for module, names in imports_of(folder).items()
+            if (
+                bad := sorted(
+                    n for n in names if n.startswith("ddpkit.launch.") and not n.startswith(allowed)
+                )
+            )
+        }
+        assert not wrong, folder

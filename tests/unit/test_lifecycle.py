@@ -8,7 +8,8 @@ from __future__ import annotations
 import signal
 
 from ddpkit.common import protocol
-from ddpkit.launch.decide import Attempt, Verdict
+from ddpkit.launch.base.decide import Attempt, Verdict
+from ddpkit.launch.base.snapshot import RankView, Snapshot
 from ddpkit.launch.lifecycle import (
     SETTLE,
     SETTLE_WAITING,
@@ -24,7 +25,6 @@ from ddpkit.launch.lifecycle import (
     Watch,
     step,
 )
-from ddpkit.launch.snapshot import RankView, Snapshot
 
 
 def ranks(*views: RankView, wall: float = 1000.0) -> Snapshot:

@@ -12,7 +12,7 @@ import pytest
 from ddpkit.common.protocol import Step
 from ddpkit.errors import ConfigError
 from ddpkit.launch import profile_breakdown as pb
-from ddpkit.launch.values import step_range
+from ddpkit.launch.base.values import step_range
 
 PLAN = {"first": 9, "steps": 3, "folder": "f", "shapes": False, "stack": False, "id": "x"}
 

@@ -10,10 +10,10 @@ import pytest
 
 from ddpkit.common import protocol
 from ddpkit.launch import outcomes
+from ddpkit.launch.base.snapshot import Reader
+from ddpkit.launch.base.worker import Signals
 from ddpkit.launch.peers.peers import NoPeers
-from ddpkit.launch.snapshot import Reader
 from ddpkit.launch.speed.step_watch import SpeedWatch
-from ddpkit.launch.worker import Signals
 from tests.unit.snapshots import worker
 from tests.unit.test_launch_config import parse
 

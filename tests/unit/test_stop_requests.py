@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from ddpkit.launch.worker import ECHO_S, Signals
+from ddpkit.launch.base.worker import ECHO_S, Signals
 
 TERM, INT, USR1 = signal.SIGTERM, signal.SIGINT, signal.SIGUSR1
 

@@ -12,11 +12,11 @@ from dataclasses import replace
 
 from ddpkit.common import protocol
 from ddpkit.launch import causes, observe, report
+from ddpkit.launch.base.wait import Wait
+from ddpkit.launch.base.worker import Signals
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.peers.peers import NodePeers, wait_for_word
-from ddpkit.launch.wait import Wait
-from ddpkit.launch.worker import Signals
 from tests.unit.snapshots import look, worker
 
 

@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"ddpkit {args.command}" if args.command else "ddpkit"
         fix = f"see `{where} --help`"
         if args.command == "run":
-            from ddpkit.launch.mistakes import OTHER_LAUNCHERS, fix_for_option
+            from ddpkit.launch.base.mistakes import OTHER_LAUNCHERS, fix_for_option
 
             known = [w for w in extra if w.split("=", 1)[0] in OTHER_LAUNCHERS]
             fix = fix_for_option(known[0]) if known else fix
@@ -120,12 +120,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class _ToConsole(logging.Handler):
-    """Log lines go through the launcher's console (ddpkit.launch.output) once it is in use,
+    """Log lines go through the launcher's console (ddpkit.launch.base.output) once it is in use,
     so they never cut a rank's line or a debugger's prompt; before, to stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
         text = self.format(record)
-        console = sys.modules.get("ddpkit.launch.output")
+        console = sys.modules.get("ddpkit.launch.base.output")
         if console is not None:
             console.CONSOLE.say(text)  # type: ignore[attr-defined]
             return

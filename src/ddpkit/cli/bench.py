@@ -44,7 +44,7 @@ def run_ddp(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from ddpkit.bench import options
     from ddpkit.cli.run import start
-    from ddpkit.launch import config
+    from ddpkit.launch.base import config
 
     launch = config.build(
         "module",

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from ddpkit.cli.run import start
-    from ddpkit.launch import config
+    from ddpkit.launch.base import config
 
     spec = importlib.util.find_spec("ddpkit.examples.digits")  # its path, without running it
     where = spec.origin if spec is not None and spec.origin else "ddpkit/examples/digits.py"

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.common import protocol
     from ddpkit.common.procs import job_workers
     from ddpkit.errors import ConfigError, LaunchError
-    from ddpkit.launch import profile_ask, profile_breakdown
+    from ddpkit.launch import profile_breakdown
+    from ddpkit.launch.base import profile_ask
 
     most = protocol.MOST_PROFILE_STEPS
     if not 1 <= args.steps <= most:
@@ -163,7 +164,7 @@ def _hand_to_launcher(run_dir: Path, plan: dict) -> None:
 def _other_nodes_armed(folder: Path, nodes: Nodes) -> dict[int | str, dict]:
     """Every other node's ranks' answers, as their launchers sent them; a node silent past
     OTHER_NODES_WITHIN is one entry of its own."""
-    from ddpkit.launch.profile_ask import armed_file
+    from ddpkit.launch.base.profile_ask import armed_file
 
     answers: dict[int | str, dict] = {}
     waiting = set(nodes.others)
@@ -226,7 +227,7 @@ def _wait_done(
     """Until every rank of every node wrote this plan's summary; a LaunchError when one ended
     before it did, or past `timeout`."""
     from ddpkit.errors import LaunchError
-    from ddpkit.launch import profile_ask
+    from ddpkit.launch.base import profile_ask
 
     deadline = time.monotonic() + timeout
     while True:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ddpkit.launch import config, mistakes, torchrun_flags
+from ddpkit.launch.base import config, mistakes, torchrun_flags
 
 USAGE = "ddpkit run [options] script.py [args] | -m module [args] | --no-python cmd [args]"
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 def start(cfg: config.LaunchConfig) -> int:
     """Warn about a privileged port and what in the environment will not do what was meant,
     then hand over to the supervisor (which imports torch)."""
-    from ddpkit.launch import ports
+    from ddpkit.launch.base import ports
 
     warnings = [
         ports.warn_privileged(cfg.master_port),

@@ -22,8 +22,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ddpkit.common import protocol
     from ddpkit.common.procs import job_workers
+    from ddpkit.launch.base.snapshot import Reader
     from ddpkit.launch.hang import places
-    from ddpkit.launch.snapshot import Reader
 
     _, mine = job_workers(args.job, "stacks")
     by_dir: dict[str, dict[int, int]] = {}

@@ -202,7 +202,7 @@ def _int(text: str | None, default: int = 1) -> int:
 
 def _port_busy(port: int) -> str | None:
     """None when free, else who holds it ('' when unknown)."""
-    from ddpkit.launch.ports import port_holder
+    from ddpkit.launch.base.ports import port_holder
 
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -19,7 +19,7 @@ from ddpkit.common import protocol
 from ddpkit.common.host_memory import memory_cgroup, memory_limit, oom_kills
 from ddpkit.common.units import size
 from ddpkit.launch import oom_verdict
-from ddpkit.launch.snapshot import RankView, Snapshot
+from ddpkit.launch.base.snapshot import RankView, Snapshot
 
 # signals after which faulthandler has written the rank's stack to its fault file
 FATAL = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
@@ -100,7 +100,7 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 def fault_site(text: str) -> str:
     """Where a rank that died of a fatal signal was: 'crash.py:12 in <module>', from
     faulthandler's dump of its main thread (`text`, its fault file), or ''."""
-    from ddpkit.launch.hang.places import code_site, main_thread, parse_threads, user_frames
+    from ddpkit.common.frames import code_site, main_thread, parse_threads, user_frames
 
     frames = main_thread(parse_threads(text))
     if not frames:

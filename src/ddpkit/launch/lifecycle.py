@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from ddpkit.launch import observe
-from ddpkit.launch.decide import Attempt, Next, Observation, Verdict, after_attempt, decide
-from ddpkit.launch.snapshot import Snapshot
+from ddpkit.launch.base.decide import Attempt, Next, Observation, Verdict, after_attempt, decide
+from ddpkit.launch.base.snapshot import Snapshot
 
 SETTLE = 0.2  # seconds near-simultaneous exits get to land before the root cause is chosen
 # at most this long more for the ranks that are failing the same way as the first

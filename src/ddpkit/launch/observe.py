@@ -1,7 +1,7 @@
-"""What a snapshot of the ranks says (`ddpkit.launch.snapshot`): who failed, who recorded an
+"""What a snapshot of the ranks says (`ddpkit.launch.base.snapshot`): who failed, who recorded an
 error and hangs on tearing down, whether a failure's exits have landed, who never reached init
 while others wait there. Plain functions of a snapshot (and `reap`, which asks the processes
-how they exited); what it means for the job is `ddpkit.launch.decide`'s to say.
+how they exited); what it means for the job is `ddpkit.launch.base.decide`'s to say.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 
 from ddpkit.common.ranges import ranks_text
+from ddpkit.launch.base.snapshot import RankView, Snapshot
+from ddpkit.launch.base.worker import Worker
 from ddpkit.launch.hang.blame import waited
-from ddpkit.launch.snapshot import RankView, Snapshot
-from ddpkit.launch.worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.launch import causes, observe, report
-from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.decide import Verdict
+from ddpkit.launch.base.config import LaunchConfig
+from ddpkit.launch.base.decide import Verdict
+from ddpkit.launch.base.output import CONSOLE
+from ddpkit.launch.base.place import Place
+from ddpkit.launch.base.snapshot import Reader, Snapshot
+from ddpkit.launch.base.wait import Wait
+from ddpkit.launch.base.worker import Signals, Worker
 from ddpkit.launch.hang import blame, mismatch, places
-from ddpkit.launch.hang.place import Place
-from ddpkit.launch.output import CONSOLE
 from ddpkit.launch.peers.liveness import BEAT, Abort
 from ddpkit.launch.peers.peers import Peers, wait_for_word
-from ddpkit.launch.snapshot import Reader, Snapshot
-from ddpkit.launch.wait import Wait
-from ddpkit.launch.worker import Signals, Worker
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ddpkit.launch.base.snapshot import Snapshot
 from ddpkit.launch.report import Outcome
-from ddpkit.launch.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

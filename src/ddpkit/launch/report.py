@@ -18,14 +18,14 @@ from pathlib import Path
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch import causes
+from ddpkit.launch.base.place import Doing, Place
+from ddpkit.launch.base.rundir import open_private
+from ddpkit.launch.base.snapshot import Snapshot
+from ddpkit.launch.base.worker import Worker
 from ddpkit.launch.causes import describe_exit, short
 from ddpkit.launch.hang import mismatch
 from ddpkit.launch.hang.blame import Culprit
-from ddpkit.launch.hang.place import Doing, Place
 from ddpkit.launch.peers.liveness import Abort
-from ddpkit.launch.rundir import open_private
-from ddpkit.launch.snapshot import Snapshot
-from ddpkit.launch.worker import Worker
 
 HANG_EXIT_CODE = 124  # as GNU timeout's
 

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from ddpkit.common import protocol
-from ddpkit.launch import asking
-from ddpkit.launch.snapshot import Snapshot
-from ddpkit.launch.wait import Wait
-from ddpkit.launch.worker import Worker
+from ddpkit.launch.base import asking
+from ddpkit.launch.base.snapshot import Snapshot
+from ddpkit.launch.base.wait import Wait
+from ddpkit.launch.base.worker import Worker
 
 RESCUE = asking.Question(protocol.RESCUE_DONE, protocol.RESCUE_REQUEST)
 TAKEN_WITHIN = 2.0  # seconds for a rank's answering thread to take the request (it polls 0.2 s)

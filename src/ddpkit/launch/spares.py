@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.common import protocol
-from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.worker import Worker
+from ddpkit.launch.base.config import LaunchConfig
+from ddpkit.launch.base.worker import Worker
 from ddpkit.launch.workers import stdin_rank, worker_command, worker_of
 
 log = logging.getLogger(__name__)

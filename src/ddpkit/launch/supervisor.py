@@ -46,26 +46,27 @@ from ddpkit.launch import (
     recovery,
     report,
     rescuing,
-    rundir,
     spares,
     watchdog,
 )
-from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.decide import Attempt, Next, Verdict, after_attempt
+from ddpkit.launch.base import rundir
+from ddpkit.launch.base.config import LaunchConfig
+from ddpkit.launch.base.decide import Attempt, Next, Verdict, after_attempt
+from ddpkit.launch.base.output import CONSOLE
+from ddpkit.launch.base.snapshot import Reader, Snapshot
+from ddpkit.launch.base.wait import Wait
+from ddpkit.launch.base.worker import Signals, Worker
 from ddpkit.launch.hang import places
 from ddpkit.launch.hang.progress_watch import HangWatch
 from ddpkit.launch.lifecycle import Events, Phase, State
-from ddpkit.launch.output import CONSOLE
 from ddpkit.launch.peers import crossnode, profile_relay
 from ddpkit.launch.peers.liveness import Abort
-from ddpkit.launch.peers.nodes import NodeGroup, join
+from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.peers.peers import Peers, peers_of
+from ddpkit.launch.peers.rounds import join
 from ddpkit.launch.report import HANG_EXIT_CODE
-from ddpkit.launch.snapshot import Reader, Snapshot
 from ddpkit.launch.spares import Spares
 from ddpkit.launch.speed.step_watch import SpeedWatch
-from ddpkit.launch.wait import Wait
-from ddpkit.launch.worker import Signals, Worker
 from ddpkit.launch.workers import (
     FORWARDED,
     QUIETED,

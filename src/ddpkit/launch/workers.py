@@ -18,10 +18,10 @@ from pathlib import Path
 import psutil
 
 from ddpkit.common import nccl_transport, procs, protocol
-from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.output import RankOutput
+from ddpkit.launch.base.config import LaunchConfig
+from ddpkit.launch.base.output import RankOutput
+from ddpkit.launch.base.worker import Signals, Worker
 from ddpkit.launch.peers.nodes import NodeGroup
-from ddpkit.launch.worker import Signals, Worker
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The rank's side of the launcher's questions (ddpkit.launch.asking): one thread answers them.
+"""The rank's side of the launcher's questions (ddpkit.launch.base.asking): one thread answers them.
 
 `answer(state_dir, rank, request, answer, make)` registers a question asked by a request file:
 when the launcher drops `rank<N>.<request>`, the thread removes it, calls `make()` and writes

@@ -22,6 +22,7 @@ import atexit
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -65,21 +66,18 @@ def arm_from_environment() -> None:
             pass
 
 
-def serve(state_dir: str, rank: str) -> None:
-    """Answer `ddpkit profile`'s requests (the answering thread reads the plan file)."""
+def serve(state_dir: str, rank: str, step_now: Callable[[], int]) -> None:
+    """Answer `ddpkit profile`'s requests (the answering thread reads the plan file);
+    `step_now`: the number of the step the rank is in, as the step timing numbers them."""
     from ddpkit.rank import answering
 
     answering.answer(
         state_dir, rank, protocol.PROFILE_REQUEST, protocol.PROFILE_ARMED,
-        lambda: _on_request(state_dir, rank),
+        lambda: _on_request(state_dir, rank, step_now()),
     )  # fmt: skip
 
 
-def _on_request(state_dir: str, rank: str) -> bytes:
-    from ddpkit.rank import steps
-
-    clock = steps.clock()
-    now = clock.number if clock is not None else -1
+def _on_request(state_dir: str, rank: str, now: int) -> bytes:
     try:
         raw = protocol.state_path(state_dir, rank, protocol.PROFILE_PLAN).read_text()
         asked = Plan(**json.loads(raw))

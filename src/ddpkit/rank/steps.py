@@ -308,10 +308,14 @@ def install_optimizer_hooks(optimizer_module: Any) -> None:
     _clock = Clock(writer)
     optimizer_module.register_optimizer_step_post_hook(_after_step)
     profiling.arm_from_environment()
-    profiling.serve(state_dir, rank)
+    profiling.serve(state_dir, rank, _step_now)
     import atexit
 
     atexit.register(flush)
+
+
+def _step_now() -> int:
+    return _clock.number if _clock is not None else -1
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -3,7 +3,7 @@ request for its stacks even while blocked in C code.
 
 `tie_to_launcher`: the kernel SIGKILLs this process when the launcher dies, even by SIGKILL
 (PR_SET_PDEATHSIG). `dump_stacks_on_signal`: faulthandler writes every thread's stack to the
-rank's stack file on protocol.STACKS_SIGNAL (ddpkit.launch.asking's STACKS question), and on
+rank's stack file on protocol.STACKS_SIGNAL (ddpkit.launch.base.asking's STACKS question), and on
 a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) into the rank's fault file, so the
 report names the line it died at.
 """

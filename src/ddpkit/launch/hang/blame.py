@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
-from ddpkit.launch.hang.place import Doing, Place
-from ddpkit.launch.snapshot import RankView, Snapshot
+from ddpkit.launch.base.place import Doing, Place
+from ddpkit.launch.base.snapshot import RankView, Snapshot
 
 WAITING_WORDS = protocol.WAITING_WORDS  # a rank failed waiting for a peer
 

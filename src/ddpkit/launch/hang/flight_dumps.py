@@ -13,11 +13,12 @@ on an H200 rank with a full ring, and a training step it overlapped ran 17.8 ms 
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.launch import asking
-from ddpkit.launch.wait import Wait
+from ddpkit.launch.base import asking
+from ddpkit.launch.base.wait import Wait
 
 # A rank's flight-recorder dump: torch's pickle (entries, pg_status, ...), untyped by torch
 Dump = dict[str, Any]
@@ -35,6 +36,33 @@ def _unpickle(data: bytes) -> Dump:
     if not isinstance(found, dict):
         raise ValueError("not a flight-recorder dump")
     return found
+
+
+@dataclass(frozen=True)
+class Flight:
+    """What one rank's dump says, read once: the oldest collective not completed ('nccl:all_reduce
+    #6 (scheduled)'), that one's op, sequence number and input shapes, and its last few lines."""
+
+    pending: str | None
+    op: str = ""
+    seq: int | None = None
+    shapes: str = ""
+    lines: tuple[str, ...] = ()
+
+
+def read(dump: Dump) -> Flight:
+    entry = pending_entry(dump)
+    if entry is None:
+        return Flight(None, lines=tuple(summarize(dump)))
+    seq = int(entry.get("collective_seq_id", -1))
+    sizes = entry.get("input_sizes")
+    return Flight(
+        pending(dump),
+        op_of(entry),
+        seq if seq >= 0 else None,
+        " ".join(str(list(x)) for x in sizes) if sizes else "",
+        tuple(summarize(dump)),
+    )
 
 
 def op_of(entry: Dump) -> str:

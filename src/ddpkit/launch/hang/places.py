@@ -10,8 +10,6 @@ stacks` all read ranks through here.
 from __future__ import annotations
 
 import contextlib
-import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +17,22 @@ from pathlib import Path
 import psutil
 
 from ddpkit.common import protocol
-from ddpkit.common.frames import is_bootstrap, is_framework, is_library, torch_module
+from ddpkit.common.frames import (
+    Frame,
+    code_site,
+    main_thread,
+    parse_threads,
+    shown_frames,
+    torch_module,
+    user_frames,
+)
 from ddpkit.common.ranges import ranks_text
-from ddpkit.launch import asking
+from ddpkit.launch.base import asking
+from ddpkit.launch.base.place import Doing, Place
+from ddpkit.launch.base.snapshot import Snapshot
+from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.hang import flight_dumps
 from ddpkit.launch.hang.mismatch import Call
-from ddpkit.launch.hang.place import Doing, Place
-from ddpkit.launch.snapshot import Snapshot
-from ddpkit.launch.wait import Wait
 
 GIL_STALE = 5.0  # seconds without a tick from a live, unstopped rank: C code holds its GIL
 
@@ -39,81 +45,6 @@ def dump_stacks(
     return asking.collect(
         asking.STACKS, state_dir, pids, wait, seconds, lambda b: b.decode(errors="replace")
     )
-
-
-@dataclass(frozen=True)
-class Frame:
-    file: str
-    line: int
-    func: str
-
-    @property
-    def site(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line}"
-
-    def __str__(self) -> str:
-        return f"{self.site} in {self.func}"
-
-
-_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
-_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$', re.M)
-
-
-def parse_threads(text: str) -> list[list[Frame]]:
-    """faulthandler's dump -> one list of frames (innermost first) per thread."""
-    starts = [m.start() for m in _THREAD.finditer(text)] + [len(text)]
-    threads = []
-    for begin, end in zip(starts, starts[1:], strict=False):
-        frames = [Frame(f, int(n), fn.strip()) for f, n, fn in _FRAME.findall(text[begin:end])]
-        if frames:
-            threads.append(frames)
-    return threads
-
-
-def main_thread(threads: list[list[Frame]]) -> list[Frame]:
-    """The thread running the user's script: its outermost frames are the bootstrap's."""
-    for frames in threads:
-        if any(is_bootstrap(f.file) for f in frames[-4:]):
-            return frames
-    return threads[0] if threads else []
-
-
-def user_frames(frames: list[Frame]) -> list[Frame]:
-    """Frames outside torch, ddpkit and Python: the script's, and the frameworks' it runs in."""
-    return [f for f in frames if not is_library(f.file)]
-
-
-def scripts_frames(frames: list[Frame]) -> list[Frame]:
-    """The user's own frames: not library code, nor an installed framework's."""
-    return [f for f in frames if not is_library(f.file) and not is_framework(f.file)]
-
-
-def shown_frames(frames: list[Frame], inner: int = 6) -> list[str]:
-    """The frames a report shows of a stack, innermost first: the innermost outside torch,
-    ddpkit and Python, and every frame of the script's own (a framework's loop can be deep)."""
-    outside = user_frames(frames)
-    script = set(map(id, scripts_frames(frames)))
-    shown = [str(f) for f in outside[:inner]]
-    rest = [f for f in outside[inner:] if id(f) in script]
-    if rest:
-        skipped = len(outside) - inner - len(rest)
-        shown += [f"... {skipped} frame(s) of installed packages"] if skipped else []
-        shown += [str(f) for f in rest]
-    return shown
-
-
-def code_site(frames: list[Frame]) -> str:
-    """Where in the user's code a stack stands: the innermost line of the script; inside a
-    framework (Lightning, Trainer), the framework's innermost line and the script's line that
-    called into it ('trainer.py:123 in _inner_loop, from train.py:40')."""
-    outside = user_frames(frames)
-    if not outside:
-        return "?"
-    innermost = outside[0]
-    if not is_framework(innermost.file):
-        return innermost.site
-    script = scripts_frames(frames)
-    return f"{innermost} from {script[0].site}" if script else str(innermost)
 
 
 def where(
@@ -255,15 +186,16 @@ def evidence(
     recorded = (
         flight_dumps.request(served, state_dir, wait) if served and not wait.cancelled else {}
     )
+    flights = {r: flight_dumps.read(dump) for r, dump in recorded.items()}
     places, details, calls = {}, [], {}
     for w in snap.ranks:
-        record = w.record
+        record, flight = w.record, flights.get(w.rank)
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
-        in_flight = flight_dumps.pending(recorded[w.rank]) if w.rank in recorded else None
+        in_flight = flight.pending if flight is not None else None
         state = states.get(w.rank)
         waits = hung if isinstance(hung, bool) else w.rank in hung
         place = places[w.rank] = where(frames, record, w.exit_code, in_flight, waits, state)
-        call = waiting_call(w.rank, place, record, recorded.get(w.rank))
+        call = waiting_call(w.rank, place, record, flight)
         if call is not None:
             calls[w.rank] = call
         details.append(
@@ -280,12 +212,10 @@ def evidence(
             details.append(
                 f"    progress record: last collective {record.op} at {record.site} (returned)"
             )
-        if w.rank in recorded:
+        if flight is not None:
             if in_flight:
                 details.append(f"    flight recorder: not completed: {in_flight}")
-            details.extend(
-                f"    flight recorder: {line}" for line in flight_dumps.summarize(recorded[w.rank])
-            )
+            details.extend(f"    flight recorder: {line}" for line in flight.lines)
         if w.rank in alive and w.rank not in texts:
             why = "it is stopped: a stopped process runs no handler" if _stopped(state) else ""
             details.append(
@@ -295,24 +225,21 @@ def evidence(
 
 
 def waiting_call(
-    rank: int, place: Place, record: protocol.Record | None, dump: flight_dumps.Dump | None
+    rank: int, place: Place, record: protocol.Record | None, flight: flight_dumps.Flight | None
 ) -> Call | None:
     """The collective a rank waits in, with its shapes (progress record) and sequence number
     (flight recorder) where they say the same collective."""
     op = place.collective
     if op is None:
         return None
-    site = place.site
     shapes = (
         record.shapes if record is not None and record.in_collective and record.op == op else ""
     )
-    entry = flight_dumps.pending_entry(dump) if dump is not None else None
     seq = None
-    if entry is not None and flight_dumps.op_of(entry) == op:
-        seq = int(entry.get("collective_seq_id", -1))
-        if not shapes and entry.get("input_sizes"):
-            shapes = " ".join(str(list(x)) for x in entry["input_sizes"])
-    return Call(rank, op, site, shapes, seq if seq is not None and seq >= 0 else None)
+    if flight is not None and flight.op == op:
+        seq = flight.seq
+        shapes = shapes or flight.shapes
+    return Call(rank, op, place.site, shapes, seq)
 
 
 def calls_of(places: dict[int, Place], local: dict[int, Call]) -> list[Call] | None:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.common import protocol
+from ddpkit.launch.base.snapshot import RankView, Snapshot
 from ddpkit.launch.hang import flight_dumps, places
 from ddpkit.launch.hang.places import GIL_STALE
 from ddpkit.launch.peers.peers import Peers
-from ddpkit.launch.snapshot import RankView, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ import json
 import time
 from typing import Any
 
-from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.hang.place import Doing, Place
+from ddpkit.launch.base.config import LaunchConfig
+from ddpkit.launch.base.place import Doing, Place
+from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup, register, serves_rendezvous
 from ddpkit.launch.peers.rounds import join_rdzv
 from ddpkit.launch.peers.store import StoreUnreachableError
-from ddpkit.launch.wait import Wait
 
 EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
 PLACES_WAIT = 15.0  # how long node 0 waits for the other nodes' stacks in a hang

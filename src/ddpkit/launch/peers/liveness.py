@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ddpkit.launch.decide import goes_on
+from ddpkit.launch.base.decide import goes_on
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded

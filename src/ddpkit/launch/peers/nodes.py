@@ -9,7 +9,8 @@ publishes address and port as one record; every rank of every node gets that pai
 MASTER_ADDR/MASTER_PORT. Before any worker starts, every node has connected to that store and
 said who it is, or the launcher stops with the node that could not and why.
 
-Rounds of the rendezvous, and a round that came apart: `ddpkit.launch.peers.rounds`. Liveness
+The way in (`join`), rounds of the rendezvous, and a round that came apart:
+`ddpkit.launch.peers.rounds`. Liveness
 and the end of a job: `ddpkit.launch.peers.liveness`. Every store call is bounded
 (`ddpkit.launch.peers.store`).
 """
@@ -28,11 +29,11 @@ from typing import TYPE_CHECKING
 
 from ddpkit.common.network import is_loopback
 from ddpkit.errors import ConfigError, LaunchError
-from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.base.config import LaunchConfig
+from ddpkit.launch.base.ports import listen
+from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bounded, serve
-from ddpkit.launch.ports import listen
-from ddpkit.launch.wait import Wait
 
 if TYPE_CHECKING:  # torch is imported only when a store or a rendezvous is made
     from torch._C._distributed_c10d import TCPStore
@@ -101,35 +102,13 @@ class NodeGroup:
         self.server, self.kept, self.rendezvous = None, [], None
 
 
-def join(cfg: LaunchConfig) -> NodeGroup:
-    """Meet the other nodes (if any): this node's rank, the job's store, every node's host."""
-    from ddpkit.launch.peers.rounds import join_rdzv  # it builds on this module
-
-    if cfg.master_addr_given:
-        _resolve(cfg.master_addr)
-    if not cfg.multi_node:
-        if cfg.master_addr_given:
-            _check_this_machine(cfg.master_addr)
-        held = listen(bind_host(cfg.master_addr), cfg.master_port)
-        return NodeGroup(
-            master_addr=cfg.master_addr,
-            master_port=held.getsockname()[1],
-            run_id=cfg.run_id,
-            held=held,
-            hosts=[socket.gethostname()],
-        )
-    if cfg.rdzv:
-        return join_rdzv(cfg, rendezvous=None)
-    return _join_static(cfg)
-
-
 class RoundApartError(Exception):
     """This node's view of the rendezvous round is not the one the other nodes hold."""
 
 
-def _join_static(cfg: LaunchConfig) -> NodeGroup:
+def join_static(cfg: LaunchConfig) -> NodeGroup:
     rank = cfg.node_rank or 0
-    _resolve(cfg.master_addr)
+    resolve(cfg.master_addr)
     node = NodeGroup(group_rank=rank, nnodes=cfg.nnodes, master_addr=cfg.master_addr)
     deadline = time.monotonic() + cfg.init_timeout
     if rank == 0:
@@ -260,7 +239,7 @@ def serves_rendezvous(node: NodeGroup) -> bool:
         return False
 
 
-def _resolve(host: str) -> None:
+def resolve(host: str) -> None:
     """A node-0 address that names no machine is a usage error, found before anything waits."""
     try:
         bounded(lambda: socket.getaddrinfo(host, None), CALL_LIMIT, f"looking up {host}")
@@ -272,12 +251,12 @@ def _resolve(host: str) -> None:
         ) from None
 
 
-def _check_this_machine(host: str) -> None:
+def check_this_machine(host: str) -> None:
     """One node serves the job's store itself: its --master-addr must be one of its own."""
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
-        return  # _resolve said it resolves
+        return  # resolve() said it resolves
     for family, _, _, _, address in infos:
         with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.bind((address[0], 0))

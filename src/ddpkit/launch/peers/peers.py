@@ -10,12 +10,12 @@ import contextlib
 import json
 from typing import Protocol
 
-from ddpkit.launch.hang.place import Place
+from ddpkit.launch.base.place import Place
+from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.peers import crossnode, keys
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.store import StoreUnreachableError
-from ddpkit.launch.wait import Wait
 
 Places = dict[int, Place]
 

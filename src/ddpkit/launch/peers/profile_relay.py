@@ -23,12 +23,12 @@ from dataclasses import astuple
 from pathlib import Path
 
 from ddpkit.common import protocol
-from ddpkit.launch import profile_ask
+from ddpkit.launch.base import profile_ask
+from ddpkit.launch.base.profile_ask import JsonDict, armed_file, done_file
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.peers import Peers
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError
-from ddpkit.launch.profile_ask import JsonDict, armed_file, done_file
 
 ASK_FILE = "profile-ask.json"  # in the run folder: the command's plan for the other nodes
 POLL = 0.25

@@ -1,5 +1,6 @@
-"""How the launchers meet through torch elastic's c10d rendezvous, round after round
-(`--rdzv HOST:PORT`, the engine torchrun uses; node ranks come from it).
+"""How a launcher meets the job's other nodes: `join`, the one way in (one node: a held port;
+static nodes: `ddpkit.launch.peers.nodes`), and torch elastic's c10d rendezvous, round after
+round (`--rdzv HOST:PORT`, the engine torchrun uses; node ranks come from it).
 
 Each round: torch's handler says this node's rank and the number of nodes; node 0 serves the
 job's store and publishes where in the round's rendezvous store; every node registers
@@ -16,29 +17,55 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
 from typing import TYPE_CHECKING
 
 from ddpkit.common.network import address_toward
 from ddpkit.errors import LaunchError
-from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.decide import check_round
-from ddpkit.launch.output import CONSOLE
+from ddpkit.launch.base.config import LaunchConfig
+from ddpkit.launch.base.decide import check_round
+from ddpkit.launch.base.output import CONSOLE
+from ddpkit.launch.base.ports import listen
+from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.peers.nodes import (
     CALL_LIMIT,
     NodeGroup,
     RoundApartError,
+    bind_host,
+    check_this_machine,
+    join_static,
     register,
+    resolve,
     serve_job_store,
 )
 from ddpkit.launch.peers.store import StoreUnreachableError, bounded
-from ddpkit.launch.wait import Wait
 
 if TYPE_CHECKING:  # torch is imported only when a rendezvous is made
     from torch._C._distributed_c10d import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 log = logging.getLogger(__name__)
+
+
+def join(cfg: LaunchConfig) -> NodeGroup:
+    """Meet the other nodes (if any): this node's rank, the job's store, every node's host."""
+    if cfg.master_addr_given:
+        resolve(cfg.master_addr)
+    if not cfg.multi_node:
+        if cfg.master_addr_given:
+            check_this_machine(cfg.master_addr)
+        held = listen(bind_host(cfg.master_addr), cfg.master_port)
+        return NodeGroup(
+            master_addr=cfg.master_addr,
+            master_port=held.getsockname()[1],
+            run_id=cfg.run_id,
+            held=held,
+            hosts=[socket.gethostname()],
+        )
+    if cfg.rdzv:
+        return join_rdzv(cfg, rendezvous=None)
+    return join_static(cfg)
 
 
 def join_rdzv(

@@ -24,8 +24,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ddpkit.common import nccl_transport, procs, protocol
+from ddpkit.launch.base.snapshot import Snapshot
 from ddpkit.launch.peers.peers import NoPeers, Peers
-from ddpkit.launch.snapshot import Snapshot
 from ddpkit.launch.speed import evidence, straggler
 from ddpkit.launch.speed.evidence import HostFacts, RankFacts
 from ddpkit.launch.speed.memory_growth import MemoryWatch

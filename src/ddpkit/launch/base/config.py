@@ -24,9 +24,9 @@ from typing import Literal
 from ddpkit.common.gpus import visible_gpu_count
 from ddpkit.env import LOOPBACK, _int, slurm_hosts, slurm_port
 from ddpkit.errors import ConfigError
-from ddpkit.launch import torchrun_flags, values
-from ddpkit.launch.mistakes import fix_for_option, is_python, launcher_flags_after
-from ddpkit.launch.torchrun_flags import TorchrunOptions
+from ddpkit.launch.base import torchrun_flags, values
+from ddpkit.launch.base.mistakes import fix_for_option, is_python, launcher_flags_after
+from ddpkit.launch.base.torchrun_flags import TorchrunOptions
 
 TargetKind = Literal["script", "module", "command"]
 DAY, WEEK = 86400.0, 7 * 86400.0  # the longest grace, and the longest timeouts

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ddpkit.common import protocol
-from ddpkit.launch.wait import Wait
+from ddpkit.launch.base.wait import Wait
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 and reading what they wrote back: the one way, used by the command on its own node and by each
 launcher for its ranks when the plan comes from another node (ddpkit.launch.peers.profile_relay).
 
-A rank is armed through a plan file and the ask-and-answer helper (ddpkit.launch.asking); it
+A rank is armed through a plan file and the ask-and-answer helper (ddpkit.launch.base.asking); it
 answers whether it will record (a rank already past the first step will not, and says so). At
 the plan's last step, or when it ends, each rank writes its summary (rank<N>.profile-done)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
-from ddpkit.launch import asking
-from ddpkit.launch.wait import Wait
+from ddpkit.launch.base import asking
+from ddpkit.launch.base.wait import Wait
 
 JsonDict = dict[str, Any]  # a plan, a rank's answer to one, or its summary (JSON)
 ARM_WITHIN = 3.0  # seconds for every rank to answer the plan (they poll every 0.2 s)

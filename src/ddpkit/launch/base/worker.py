@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
-from ddpkit.launch.output import RankOutput
+from ddpkit.launch.base.output import RankOutput
 
 ECHO_S = 0.3  # a Ctrl+C this soon after the last one is its echo, not a person's second press
 

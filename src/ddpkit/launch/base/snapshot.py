@@ -28,7 +28,7 @@ from typing import TypeVar, cast
 import psutil
 
 from ddpkit.common import procs, protocol
-from ddpkit.launch.worker import Worker
+from ddpkit.launch.base.worker import Worker
 
 STEPS_EVERY = 1.0  # seconds between reads of the step rings
 USAGE_EVERY = 1.0  # seconds between samples of the ranks' process trees (CPU, I/O, memory)

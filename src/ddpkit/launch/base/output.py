@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from ddpkit.common.protocol import ERR_END, ERR_START, LOG_END, LOG_ONLY, LOG_START
-from ddpkit.launch.rundir import open_private
+from ddpkit.launch.base.rundir import open_private
 
 TAIL_LINES = 30
 TAIL_LINE_BYTES = 4096  # the report keeps at most this much of one line
