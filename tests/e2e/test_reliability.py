@@ -110,8 +110,8 @@ def folder(tmp_path_factory):
     return here
 
 
-@pytest.mark.parametrize(("args", "env", "says"), BAD_INPUTS, ids=lambda v: str(v)[:40])
-def test_bad_input_is_refused_at_once_with_its_words_and_a_fix(folder, args, env, says):
+def refused(folder: Path, args: list[str], env: dict[str, str]) -> tuple[int, str, float]:
+    """`ddpkit run ARGS` as a user runs it: exit code, stderr, seconds taken."""
     began = time.monotonic()
     out = subprocess.run(
         [*DDPKIT, "run", *args],
@@ -121,12 +121,41 @@ def test_bad_input_is_refused_at_once_with_its_words_and_a_fix(folder, args, env
         cwd=folder,
         env={**os.environ, **env},
     )
-    took = time.monotonic() - began
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert says in out.stderr
-    assert "fix:" in out.stderr
-    assert "Traceback" not in out.stderr
     assert "started" not in out.stdout, "nothing may start"
+    return out.returncode, out.stderr, time.monotonic() - began
+
+
+@pytest.mark.parametrize(("args", "env", "says"), BAD_INPUTS, ids=lambda v: str(v)[:40])
+def test_bad_input_is_refused_at_once_with_its_words_and_a_fix(
+    folder, args, env, says, monkeypatch, capsys
+):
+    # the command line is read in this process (ddpkit.cli.main, as `ddpkit run` calls it);
+    # what the options accept and the launcher refuses later (a host that does not resolve, a
+    # log folder it cannot make) runs as the user runs it, in a process of its own
+    from ddpkit.cli import main
+    from ddpkit.cli import run as run_command
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(folder)
+    accepted = []
+    monkeypatch.setattr(run_command, "start", lambda cfg: accepted.append(cfg) or 0)
+    code, said, took = main(["run", *args]), capsys.readouterr().err, 0.0
+    if accepted:
+        code, said, took = refused(folder, args, env)
+    assert code == 2, said
+    assert says in said
+    assert "fix:" in said
+    assert "Traceback" not in said
+    assert took < bound(8), f"took {took:.1f} s"
+
+
+def test_bad_input_on_the_command_line_is_refused_by_the_command_itself(folder):
+    code, said, took = refused(folder, ["--grace", "nan", "t.py"], {})
+    assert code == 2, said
+    assert "--grace 'nan' is not a finite number" in said
+    assert "fix:" in said
+    assert "Traceback" not in said
     assert took < bound(8), f"took {took:.1f} s"
 
 

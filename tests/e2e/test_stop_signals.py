@@ -1,7 +1,7 @@
 """A stop signal to `ddpkit run` at a random moment: every rank saves at the same step, the job
 ends within its grace, nothing is left running, and the summary says the ranks stopped on
-their own. Three random moments here, one per signal (each run of 3 ranks costs ~13 CPU-s of
-the suite's budget); tests/groups/test_stop_flag.py stops 16 more at random moments on real
+their own. One random moment and signal here (each run of 3 ranks costs ~13 CPU-s of the
+suite's budget); tests/groups/test_stop_flag.py stops 16 more at random moments on real
 gloo ranks without a launcher, and benchmarks/stop_signal_stress.py runs a hundred end to end
 (100 of 100 passed, benchmarks/results/cpu-stop_signal_stress.txt)."""
 
@@ -33,10 +33,13 @@ def stop_once(tmp_path, sig: int, delay: float, ranks: int = 3) -> tuple[int, st
     return code, job.stdout + job.stderr, took
 
 
-def test_a_stop_signal_at_random_moments_saves_every_rank_at_the_same_step(tmp_path):
+def test_a_stop_signal_at_a_random_moment_saves_every_rank_at_the_same_step(tmp_path):
+    # one job, one of the three signals: that every rank agrees on the step at any moment is
+    # proven on real groups by tests/groups/test_stop_flag.py (16 moments), and 100 times a
+    # signal by benchmarks/stop_signal_stress.py (its results in benchmarks/RESULTS.md)
     plan = random.Random(os.getpid())
-    for run in range(3):
-        sig = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)[run % 3]
+    for run in range(1):
+        sig = plan.choice((signal.SIGTERM, signal.SIGINT, signal.SIGUSR1))  # noqa: S311
         delay = plan.uniform(0.0, 1.0)
         where = tmp_path / f"run{run}"
         where.mkdir()
