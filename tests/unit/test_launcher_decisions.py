@@ -14,10 +14,10 @@ from ddpkit.launch.base.decide import (
     Observation,
     Verdict,
     after_attempt,
-    check_round,
     decide,
     goes_on,
 )
+from ddpkit.launch.peers.rounds import check_round
 
 RUNNING = (0, 1)
 

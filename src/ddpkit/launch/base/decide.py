@@ -118,12 +118,3 @@ def goes_on(
 
 def _nodes(n: int) -> str:
     return "1 node" if n == 1 else f"{n} nodes"
-
-
-def check_round(rank: int, world: int, min_nodes: int) -> str | None:
-    """Why a round torch handed out cannot be this node's, or None if it can."""
-    if not 0 <= rank < world:
-        return f"this node read rank {rank} in a round of {world} node(s)"
-    if world < min_nodes:
-        return f"this node read a round of {world} node(s), fewer than --nnodes MIN {min_nodes}"
-    return None

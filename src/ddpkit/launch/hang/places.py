@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -62,6 +62,8 @@ def where(
     names a rank that is stopped, holds the GIL in C code or waits for its GPU."""
     if exit_code is not None:
         return Place(Doing.EXITED, code=exit_code)
+    stack_site = code_site(rank_frames)
+    modules = [(f, torch_module(f.file) or "") for f in rank_frames]
     if (
         state is not None
         and state.doing is Doing.WAITS_FOR_GPU
@@ -73,11 +75,11 @@ def where(
         # NCCL's kernel has started (the launcher turns NCCL's timing on, so the flight recorder
         # tells started from scheduled): the rank waits in that collective for a peer. One
         # still scheduled sits behind the rank's own GPU work, which is what never finishes.
-        return Place(Doing.WAITS_IN, code_site(rank_frames), op=_pending_op(pending))
+        return Place(Doing.WAITS_IN, stack_site, op=_pending_op(pending))
     if state is not None:  # stopped, stuck in C code holding the GIL, waiting for its GPU
         if state.doing is Doing.HOLDS_GIL and rank_frames:
             state = Place(Doing.HOLDS_GIL, seconds=state.seconds, func=rank_frames[0].func)
-        return state.at(code_site(rank_frames) if rank_frames else (record.site if record else ""))
+        return replace(state, site=stack_site if rank_frames else (record.site if record else ""))
     if not rank_frames:
         site = record.site if record is not None else ""
         if record is not None and record.in_collective:
@@ -85,8 +87,7 @@ def where(
         if pending and hung:
             return Place(Doing.WAITS_IN, site, op=_pending_op(pending))
         return Place(Doing.NO_STACK, site)
-    site = code_site(rank_frames)
-    modules = [(f, torch_module(f.file) or "") for f in rank_frames]
+    site = stack_site
     for f, module in modules:
         if f.func in protocol.COLLECTIVES and module.startswith("distributed/"):
             return Place(Doing.WAITS_IN, site, op=f.func)
@@ -191,6 +192,7 @@ def evidence(
     for w in snap.ranks:
         record, flight = w.record, flights.get(w.rank)
         frames = main_thread(parse_threads(texts.get(w.rank, "")))
+        shown = shown_frames(frames)
         in_flight = flight.pending if flight is not None else None
         state = states.get(w.rank)
         waits = hung if isinstance(hung, bool) else w.rank in hung
@@ -201,7 +203,7 @@ def evidence(
         details.append(
             f"  rank {w.rank} {place.words()}" + (f" at {place.site}" if place.site else "")
         )
-        details.extend(f"    {f}" for f in shown_frames(frames))
+        details.extend(f"    {f}" for f in shown)
         if record is not None and record.in_collective:
             shapes = f" with shapes {record.shapes}" if record.shapes else ""
             details.append(

@@ -1,5 +1,6 @@
-"""Every key the nodes of one job use in its store, in one place. Each round's keys live under
-`round_prefix(round)` (a restart is a new round on the same store, with static nodes).
+"""The keys the nodes of one job use in its store once they have met (the meeting's own keys
+are `ddpkit.launch.peers.nodes`'s). Each round's keys live under its prefix (a restart is a new
+round on the same store, with static nodes).
 
 Who writes what: every node its own `beat/N`, `progress/N` and `done/N` counters, its
 `node/N` registration and, when asked, its `places/N` (a hang) and `speed/N` (step
@@ -14,13 +15,7 @@ from __future__ import annotations
 ABORT = "abort"
 HANG_ASK = "hang/ask"
 PROFILE_ASK = "profile/ask"  # the newest `ddpkit profile` plan (JSON), any node's
-RUN_ID = "run_id"
-READY = "ready"  # the round's decision, set once: "ready" or why it came apart
 COUNTERS = ("beat", "progress", "done")  # per node, made by node 0 before anyone reads them
-
-
-def round_prefix(round: int) -> str:
-    return f"ddpkit/{round}/"
 
 
 def beat(node: int) -> str:
@@ -33,10 +28,6 @@ def progress(node: int) -> str:
 
 def done(node: int) -> str:
     return f"done/{node}"
-
-
-def registration(node: int) -> str:
-    return f"node/{node}"
 
 
 def places(node: int) -> str:

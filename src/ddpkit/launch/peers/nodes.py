@@ -43,6 +43,21 @@ log = logging.getLogger(__name__)
 CALL_LIMIT = 5.0  # seconds any one launcher store call may take once the job runs
 
 
+# the meeting's keys in the job's store (node 0 writes the run id; every node its registration;
+# the round's decision is set once: "ready" or why it came apart)
+RUN_ID = "run_id"
+READY_KEY = "ready"
+
+
+def round_prefix(round: int) -> str:
+    """Where one round's keys live: a restart is a new round on the same store."""
+    return f"ddpkit/{round}/"
+
+
+def registration(node: int) -> str:
+    return f"node/{node}"
+
+
 @dataclass
 class NodeGroup:
     """This node's place among the job's nodes, for one round (a restart is a new round)."""
@@ -141,7 +156,7 @@ def register(
     any node decides it came apart when the records disagree or `apart()` (the rendezvous,
     asked) says why. The decision is one key set once (compare-and-set), so every node of the
     round reads the same one: no node goes on in a round another has left."""
-    prefix = keys.round_prefix(node.round)
+    prefix = round_prefix(node.round)
     where = f"{node.master_addr}:{node.master_port}"
     host = socket.gethostname()
     store = BoundedStore(node.store_addr, node.master_port, CALL_LIMIT, prefix)
@@ -158,7 +173,7 @@ def register(
 
     def registered() -> bool:
         try:
-            mine = store.key(keys.registration(node.group_rank))
+            mine = store.key(registration(node.group_rank))
             store.call("set", mine, me, limit=_left(deadline))
             return True
         except StoreUnreachableError as err:
@@ -174,7 +189,7 @@ def register(
             "--master-addr (or --local-addr) on node 0 if it is not",
         ) from (failure[-1] if failure else None)
     if node.group_rank == 0:
-        store.set(keys.RUN_ID, cfg.run_id)
+        store.set(RUN_ID, cfg.run_id)
         for other in range(node.nnodes):  # counters exist before anyone reads them
             for kind in keys.COUNTERS:
                 store.add(keys.counter(kind, other), 0)
@@ -183,7 +198,7 @@ def register(
 
     def decide(value: str) -> None:
         with contextlib.suppress(StoreUnreachableError):
-            store.call("compare_set", store.key(keys.READY), "", value)
+            store.call("compare_set", store.key(READY_KEY), "", value)
 
     def decided() -> bool:
         nonlocal missing, records
@@ -191,12 +206,12 @@ def register(
         if why is not None:
             decide(f"{APART}{why}")  # unless the round was decided first
         with contextlib.suppress(StoreUnreachableError):
-            if store.has(keys.READY):
+            if store.has(READY_KEY):
                 return True
-            missing = [n for n in missing if not store.has(keys.registration(n))]
+            missing = [n for n in missing if not store.has(registration(n))]
             if missing:
                 return False
-            records = [json.loads(store.get(keys.registration(n))) for n in range(node.nnodes)]
+            records = [json.loads(store.get(registration(n))) for n in range(node.nnodes)]
             differs = next((n for n, r in enumerate(records) if r["nnodes"] != node.nnodes), None)
             if differs is not None:
                 decide(
@@ -214,17 +229,17 @@ def register(
             f"--init-timeout {cfg.init_timeout:g} s",
             fix=f"start `ddpkit run` on every node; check that each can reach {where}",
         )
-    decision = store.get(keys.READY, limit=_left(deadline))
+    decision = store.get(READY_KEY, limit=_left(deadline))
     if decision != READY:
         raise RoundApartError(decision.removeprefix(APART))
     if not records:
-        records = [json.loads(store.get(keys.registration(n))) for n in range(node.nnodes)]
+        records = [json.loads(store.get(registration(n))) for n in range(node.nnodes)]
     node.rendezvous_node = next((n for n, r in enumerate(records) if r.get("rendezvous")), None)
-    node.run_id = store.get(keys.RUN_ID, limit=_left(deadline))
+    node.run_id = store.get(RUN_ID, limit=_left(deadline))
     node.hosts, node.store = [str(r["host"]) for r in records], store
 
 
-READY, APART = "ready", "apart: "  # the round's decision (keys.READY)
+READY, APART = "ready", "apart: "  # the round's decision (READY_KEY)
 
 
 def serves_rendezvous(node: NodeGroup) -> bool:

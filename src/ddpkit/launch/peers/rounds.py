@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 from ddpkit.common.network import address_toward
 from ddpkit.errors import LaunchError
 from ddpkit.launch.base.config import LaunchConfig
-from ddpkit.launch.base.decide import check_round
 from ddpkit.launch.base.output import CONSOLE
 from ddpkit.launch.base.ports import listen
 from ddpkit.launch.base.wait import Wait
@@ -66,6 +65,15 @@ def join(cfg: LaunchConfig) -> NodeGroup:
     if cfg.rdzv:
         return join_rdzv(cfg, rendezvous=None)
     return join_static(cfg)
+
+
+def check_round(rank: int, world: int, min_nodes: int) -> str | None:
+    """Why a round torch handed out cannot be this node's, or None if it can."""
+    if not 0 <= rank < world:
+        return f"this node read rank {rank} in a round of {world} node(s)"
+    if world < min_nodes:
+        return f"this node read a round of {world} node(s), fewer than --nnodes MIN {min_nodes}"
+    return None
 
 
 def join_rdzv(
