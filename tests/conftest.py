@@ -43,6 +43,17 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
+def fresh_rank_runtime():
+    """Each test meets this process as a new rank would: one runtime (ddpkit.rank.runtime)
+    holds every part's state and the optimizer-step hub, and resetting it is all it takes."""
+    from ddpkit.rank import runtime
+
+    runtime.reset()
+    yield
+    runtime.reset()
+
+
+@pytest.fixture(autouse=True)
 def no_process_left_behind():
     yield
     left = [p for p in _descendants() if p.is_running()]

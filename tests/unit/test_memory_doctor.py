@@ -200,22 +200,24 @@ def test_a_peak_that_stands_out_is_said_once_and_an_even_job_says_nothing():
     assert "CUDA context" in uneven.notes[0]
 
 
-def test_memory_that_grew_at_every_step_read_before_an_oom_is_named_as_growth(monkeypatch):
+def test_memory_that_grew_at_every_step_read_before_an_oom_is_named_as_growth():
     from types import SimpleNamespace
 
     from ddpkit.launch import oom_verdict
-    from ddpkit.rank import oom_facts, steps
+    from ddpkit.rank import oom_facts, runtime, steps
+
+    timing = runtime.current().part(steps.Timing)
 
     mib = 2**20
     rising = [(n, (100 + 400 * n) * mib) for n in range(1, 11)]  # 400 MiB more every step
-    monkeypatch.setattr(steps, "_clock", SimpleNamespace(memory_series=rising))
+    timing.clock = SimpleNamespace(memory_series=rising)  # type: ignore[assignment]
     grew = oom_facts.growth_before()
     assert grew == [1, 10, 500 * mib, 4100 * mib]
     assert oom_verdict.grew_before({"grew": grew}) == (
         "400 MiB a step, from 500 MiB to 4 GiB over 9 steps"
     )
     level = [(n, 2000 * mib + (n % 2) * mib) for n in range(1, 11)]  # a step's own rise and fall
-    monkeypatch.setattr(steps, "_clock", SimpleNamespace(memory_series=level))
+    timing.clock = SimpleNamespace(memory_series=level)  # type: ignore[assignment]
     assert oom_facts.growth_before() is None
-    monkeypatch.setattr(steps, "_clock", SimpleNamespace(memory_series=rising[:3]))
+    timing.clock = SimpleNamespace(memory_series=rising[:3])  # type: ignore[assignment]
     assert oom_facts.growth_before() is None, "too few steps to call it growth"

@@ -47,26 +47,26 @@ def test_a_boundary_is_the_first_fetch_after_an_optimizer_step(job):
         x2, y2 = next(batches)  # two batches a step: gradient accumulation
         train_step(job, torch.cat([x, x2]), torch.cat([y, y2]))
     next(batches)
-    assert rescue._kept.boundaries == 3  # one after each step; the first fetch is none
+    assert rescue._part().kept.boundaries == 3  # one after each step; the first fetch is none
 
 
 def test_before_the_first_step_the_state_just_saved_or_loaded_is_the_step(job):
     next(iter(job["loader"]))
     said, loud = rescue.after_peer_failure()
     assert said.startswith("the state saved or loaded last is the last completed step")
-    assert not rescue._kept.path.exists(), "nothing written: the state on disk is this step"
+    assert not rescue._part().kept.path.exists(), "nothing written: the state on disk is this step"
 
 
 def test_the_window_closes_when_the_optimizer_step_begins(job):
     batches = iter(job["loader"])
     train_step(job, *next(batches))
     x, y = next(batches)
-    assert rescue._kept.open
+    assert rescue._part().kept.open
     train_step(job, x, y)
     said, loud = rescue.after_peer_failure()
     assert "outside a step's window" in said
     assert not loud
-    assert not rescue._kept.path.exists(), "nothing written"
+    assert not rescue._part().kept.path.exists(), "nothing written"
 
 
 def test_a_failure_inside_the_window_writes_the_boundarys_state_not_the_live_one(job, tmp_path):
@@ -96,7 +96,7 @@ def test_a_failure_inside_the_window_writes_the_boundarys_state_not_the_live_one
 
 def test_a_sharded_or_single_rank_job_is_not_armed(tmp_path):
     rescue.remember(tmp_path, {"counters": {}}, Placement(world_size=1))
-    assert rescue._kept is None
+    assert rescue._part().kept is None
 
 
 def test_a_rescue_is_written_once_though_the_error_hook_and_the_launcher_both_ask(job, tmp_path):
@@ -129,8 +129,8 @@ def test_turned_off_by_its_variable_nothing_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("DDPKIT_NO_RESCUE", "1")
     model = torch.nn.Linear(4, 4)
     rescue.remember(tmp_path, {"model": model, "counters": {}}, PLACE)
-    assert rescue._kept is None
+    assert rescue._part().kept is None
     monkeypatch.setenv("DDPKIT_NO_RESCUE", "0")
     rescue.remember(tmp_path, {"model": model, "counters": {}}, PLACE)
-    assert rescue._kept is not None, "0 leaves it on"
+    assert rescue._part().kept is not None, "0 leaves it on"
     rescue.forget()

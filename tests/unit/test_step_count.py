@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ddpkit.common import protocol  # noqa: E402
+from ddpkit.rank import runtime  # noqa: E402
 from ddpkit.train import step_count  # noqa: E402
 from tests.unit.snapshots import look, worker  # noqa: E402
 
@@ -20,14 +21,9 @@ def counting(tmp_path, monkeypatch):
     monkeypatch.setenv(protocol.STATE_DIR, str(tmp_path))
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv(protocol.RANK_PID, str(os.getpid()))
-    for name, value in (("_base", 0), ("_done", 0), ("_marker", None), ("_record", None)):
-        monkeypatch.setattr(step_count, name, value)
-    if step_count._hook is not None:
-        step_count._hook.remove()
-    monkeypatch.setattr(step_count, "_hook", None)
+    runtime.reset()  # the environment read again, as a new rank reads it
     step_count.install()
-    yield tmp_path
-    step_count._hook.remove()
+    return tmp_path
 
 
 def optimizer():

@@ -12,18 +12,29 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
 POLL = 0.2  # seconds between looks for requests
 
-_questions: list[tuple[Path, Path, Callable[[], bytes]]] = []
-_first: list[Callable[[], object]] = []  # set-up the thread runs before it answers
-_lock = threading.Lock()
-_thread: threading.Thread | None = None
+
+@dataclass
+class Answering:
+    """The questions this rank answers and the thread that answers them: a part of its
+    runtime (ddpkit.rank.runtime); closing it ends the thread at its next look."""
+
+    questions: list[tuple[Path, Path, Callable[[], bytes]]] = field(default_factory=list)
+    first: list[Callable[[], object]] = field(default_factory=list)  # set-up, run first
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    def close(self) -> None:
+        self.closed.set()
 
 
 def answer(
@@ -36,28 +47,31 @@ def answer(
 ) -> None:
     """Answer the launcher's `request` with `make()`'s bytes in the file `answer`; `first`:
     set-up the thread runs before it answers (off the script's thread)."""
-    global _thread
+    answering = runtime.current().part(Answering)
     request_path = protocol.state_path(state_dir, rank, request)
     answer_path = protocol.state_path(state_dir, rank, answer)
-    with _lock:
-        _questions.append((request_path, answer_path, make))
+    with answering.lock:
+        answering.questions.append((request_path, answer_path, make))
         if first is not None:
-            _first.append(first)
-        if _thread is None:
-            _thread = threading.Thread(target=_loop, daemon=True, name="ddpkit-answers")
-            _thread.start()
+            answering.first.append(first)
+        if answering.thread is None:
+            answering.thread = threading.Thread(
+                target=_loop, args=(answering,), daemon=True, name="ddpkit-answers"
+            )
+            answering.thread.start()
 
 
-def _loop() -> None:
-    while True:
-        with _lock:
-            setup, _first[:] = list(_first), []
+def _loop(answering: Answering) -> None:
+    while not answering.closed.is_set():
+        with answering.lock:
+            setup, answering.first[:] = list(answering.first), []
         for fn in setup:
             with contextlib.suppress(Exception):
                 fn()
-        time.sleep(POLL)
-        with _lock:
-            questions = list(_questions)
+        if answering.closed.wait(POLL):
+            return
+        with answering.lock:
+            questions = list(answering.questions)
         for request, out, make in questions:
             if not request.exists():
                 continue

@@ -36,7 +36,7 @@ import types
 import zipfile
 
 from ddpkit.common import protocol
-from ddpkit.rank import streams, tether
+from ddpkit.rank import runtime, streams, tether
 from ddpkit.rank.ending import exit_quickly, user_frames
 from ddpkit.rank.import_hooks import ImportWatcher
 
@@ -58,6 +58,7 @@ def main(argv: list[str]) -> None:
         with contextlib.suppress(OSError, ValueError):
             os.set_inheritable(int(store_fd), False)
     os.environ[protocol.RANK_PID] = str(os.getpid())  # children inherit it: "not the rank"
+    runtime.start()  # the environment read once, for every part of the rank
     set_phase("started")
     if kind == "command":
         os.execvp(target, [target, *args])  # noqa: S606 - death signal survives exec

@@ -11,9 +11,7 @@ import sys
 from types import TracebackType
 
 from ddpkit.common import protocol
-
-STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
-RANK = os.environ.get("RANK", "0")
+from ddpkit.rank import runtime
 
 
 def exit_quickly(code: object) -> None:
@@ -35,9 +33,10 @@ def exit_quickly(code: object) -> None:
     status = code if isinstance(code, int) else (0 if code is None else 1)
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
-    if STATE_DIR:
+    here = runtime.current()
+    if here.state_dir:
         with contextlib.suppress(OSError):  # when it ended, for the launcher's root cause
-            protocol.write_ended(STATE_DIR, RANK, status)
+            protocol.write_ended(here.state_dir, here.rank_name, status)
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:
         shutdown()

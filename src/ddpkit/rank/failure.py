@@ -27,9 +27,8 @@ from types import TracebackType
 
 from ddpkit.common import protocol
 from ddpkit.errors import DdpkitError
+from ddpkit.rank import runtime
 
-STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
-RANK = os.environ.get("RANK", "0")
 # what a rank does after it failed waiting for a peer, before it ends: (what it did, whether
 # the console should hear it) or None (ddpkit.train.rescue adds the last step's state)
 AFTER_A_PEER: list[Callable[[], tuple[str, bool] | None]] = []
@@ -44,10 +43,11 @@ def write_error(
     whole: bool = False,
 ) -> None:
     """This rank's failure, timestamped, for the launcher's root-cause verdict."""
-    if STATE_DIR:
+    here = runtime.current()
+    if here.state_dir:
         record = protocol.ErrorRecord(time.time(), kind, message, trace, exit_code, fix, whole)
         try:
-            protocol.write_error(STATE_DIR, RANK, record)
+            protocol.write_error(here.state_dir, here.rank_name, record)
         except OSError:
             pass
 
@@ -105,7 +105,8 @@ def record_errors() -> None:
         from ddpkit.rank.hints import fix_for
 
         oom_facts.release_reserve()  # room for what follows, when the process ran out
-        oom_facts.write(STATE_DIR, RANK, value)  # an out-of-memory error: what memory held
+        here = runtime.current()
+        oom_facts.write(here.state_dir, here.rank_name, value)  # an OOM: what memory held
         trace = "".join(traceback.format_exception(kind, value, tb))
         ours = isinstance(value, DdpkitError)
         fix = value.fix if isinstance(value, DdpkitError) else fix_for(value, tb)

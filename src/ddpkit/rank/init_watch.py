@@ -13,15 +13,14 @@ import os
 import sys
 import time
 import types
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from ddpkit.common import protocol
 from ddpkit.common.frames import is_library
+from ddpkit.rank import runtime
 from ddpkit.rank.steps import waited_in_collective
-
-STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
-RANK = os.environ.get("RANK", "0")
 
 
 def set_phase(phase: str) -> None:
@@ -30,16 +29,20 @@ def set_phase(phase: str) -> None:
     tell(phase)
 
 
-_store_server: Any = None  # the job's TCPStore, when this rank serves it (kept to the end)
+@dataclass
+class ServedStore:
+    """The job's TCPStore, when this rank serves it (kept to the end): a runtime part."""
+
+    server: Any = None
 
 
 def serve_store() -> None:
     """Rank 0 of a one-node job: serve the job's store on the launcher's listening socket, as
     soon as torch.distributed is imported (the peers' connections wait in its backlog till
     then). init_process_group and ddpkit.setup() find it by its port (multi-tenant)."""
-    global _store_server
+    served = runtime.current().part(ServedStore)
     fd = os.environ.pop(protocol.STORE_FD, None)
-    if fd is None or _store_server is not None:
+    if fd is None or served.server is not None:
         return
     from ddpkit.common.store_server import serve_fd
     from ddpkit.rank.init_args import LAUNCHER
@@ -48,7 +51,7 @@ def serve_store() -> None:
     port = int(LAUNCHER.get("MASTER_PORT") or os.environ.get("MASTER_PORT", "0"))
     timeout = float(os.environ.get(protocol.INIT_TIMEOUT, "330"))
     try:
-        _store_server = serve_fd(int(fd), "127.0.0.1", port, timeout, multi_tenant=True)
+        served.server = serve_fd(int(fd), "127.0.0.1", port, timeout, multi_tenant=True)
     finally:
         with contextlib.suppress(OSError):
             os.close(int(fd))
@@ -67,30 +70,32 @@ def patch_init(module: ModuleType) -> None:
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        if os.environ.get(protocol.RANK_PID) == str(os.getpid()):  # the rank, not its child
+        if runtime.current().is_rank():  # the rank, not its child
             from ddpkit.rank import init_args
 
             checked = init_args.check(
                 original, args, kwargs, init_args.script_site(sys._getframe(1))
             )
             args, kwargs = checked.args, checked.kwargs
-            if checked.notes and RANK == "0":  # said once for the job
+            if checked.notes and runtime.current().rank_name == "0":  # said once for the job
                 print(
                     f"ddpkit: {init_args.replaced_line(checked.notes)}", file=sys.stderr, flush=True
                 )
         set_phase("init")
         result = original(*args, **kwargs)
         set_phase("ready")
-        if STATE_DIR:
+        if runtime.current().state_dir:
             timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
             record_group(str(module.get_backend()), timeout)
             from ddpkit.rank import oom_facts
 
             oom_facts.start_history()  # --memory-snapshot: the allocator's events, from here on
-        if STATE_DIR and _recording():
+        if runtime.current().state_dir and _recording():
             from ddpkit.rank import flight_answers
 
-            flight_answers.serve(STATE_DIR, RANK, str(module.get_backend()))
+            flight_answers.serve(
+                runtime.current().state_dir, runtime.current().rank_name, str(module.get_backend())
+            )
         return result
 
     module.init_process_group = init_process_group  # type: ignore[attr-defined]
@@ -107,12 +112,14 @@ def record_group(backend: str, timeout: Any) -> None:
             default = getattr(constants, "default_pg_nccl_timeout", None) or default
         timeout = default
     try:
-        protocol.write_group(STATE_DIR, RANK, backend, float(timeout.total_seconds()))
+        protocol.write_group(
+            runtime.current().state_dir,
+            runtime.current().rank_name,
+            backend,
+            float(timeout.total_seconds()),
+        )
     except (OSError, AttributeError):
         pass
-
-
-_depth = 0
 
 
 def _recording() -> bool:
@@ -131,20 +138,21 @@ def track_collectives(module: ModuleType) -> None:
     if record is None or os.environ.get(protocol.TRACK) == "0":
         return
 
+    depth = [0]  # a collective inside another (torch's own, a wrapper's): not recorded again
+
     def wrap(name: str, original: Any) -> Any:
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            global _depth
-            if _depth:
+            if depth[0]:
                 return original(*args, **kwargs)
             site, shapes = user_site(), describe_shapes(args)
-            _depth += 1
+            depth[0] += 1
             record.enter(name, shapes, site)
             began = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                _depth -= 1
+                depth[0] -= 1
                 record.leave(name, shapes, site)
                 waited_in_collective(time.perf_counter() - began)
 

@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
 UNSHARDED = "unsharded"  # the rank's file: where it iterates a loader with no sharding
-_state = {"written": False}
+
+
+@dataclass
+class Notice:
+    """Whether this rank wrote its file: a part of its runtime."""
+
+    written: bool = False
 
 
 def patch_loader(module: Any) -> None:
@@ -28,15 +36,14 @@ def patch_loader(module: Any) -> None:
     original = getattr(loader, "__iter__", None)
     if original is None or getattr(original, "_ddpkit_watched", False):
         return
-    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
+    here = runtime.current()
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if not state_dir or rank is None or world < 2:
-        return
-    if os.environ.get(protocol.RANK_PID) != str(os.getpid()):
-        return  # a child of the rank (a DataLoader worker) says nothing
+    if not here.is_rank() or world < 2:
+        return  # outside a job of several ranks, or a child of the rank (a loader's worker)
+    state_dir, rank = here.state_dir, here.rank_name
 
     def watched_iter(self: Any) -> Any:
-        if not _state["written"]:
+        if not runtime.current().part(Notice).written:
             try:
                 _look(self, Path(state_dir), rank, sys._getframe(1))
             except Exception as err:  # never break the script's loop
@@ -58,7 +65,7 @@ def _look(loader: Any, state_dir: Path, rank: str, caller: Any) -> None:
 
     if not torch.is_grad_enabled() or not dist.is_initialized() or dist.get_world_size() < 2:
         return  # an evaluation, or no job of several ranks
-    _state["written"] = True
+    runtime.current().part(Notice).written = True
     site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
     batches = len(loader) if hasattr(loader, "__len__") else 0
     protocol.state_path(state_dir, rank, UNSHARDED).write_text(f"{site}\t{what}\t{batches}\n")

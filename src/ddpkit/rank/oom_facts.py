@@ -17,9 +17,11 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
 _ASKED = re.compile(r"(?:Tried to allocate|tried to allocate) ([\d.]+) ?(bytes|[KMGT]i?B)")
 _ALLOWED = re.compile(r"([\d.]+) ?(bytes|[KMGT]i?B) allowed")
@@ -124,7 +126,8 @@ def facts(error: BaseException, kind: str) -> protocol.OomFacts:
         out["allocated"] = out["reserved"] = int(rss)
         room = host_room()  # the machine, the memory cgroup or ulimit -v, as it is now
         free = room.free
-        if _released and "ulimit" in room.bound:  # the reserve's space was not free then
+        released = runtime.current().part(Reserve).released
+        if released and "ulimit" in room.bound:  # the reserve's space was not free then
             free = max(0, free - RESERVE_BYTES)
         out["free"], out["total"], out["bound"] = free, room.total, room.bound
         out["others"] = None
@@ -132,28 +135,33 @@ def facts(error: BaseException, kind: str) -> protocol.OomFacts:
 
 
 RESERVE_BYTES = 64 * 2**20
-_reserve: Any = None
-_released = False  # the reserve was given back at the failure: not part of what was free
+
+
+@dataclass
+class Reserve:
+    """Address space held for the failure's own needs: a part of the rank's runtime."""
+
+    mapped: Any = None
+    released: bool = False  # given back at the failure: not part of what was free
 
 
 def reserve() -> None:
     """Map (not touch) RESERVE_BYTES of address space, given back when the rank runs out of
     memory, so that what the failure needs (the scan below, the traceback, the error file)
     still fits under an address-space limit (`ulimit -v`). Untouched pages take no RAM."""
-    global _reserve
     import mmap
 
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
     with contextlib.suppress(Exception):
-        _reserve = mmap.mmap(-1, RESERVE_BYTES, flags=flags)
+        runtime.current().part(Reserve).mapped = mmap.mmap(-1, RESERVE_BYTES, flags=flags)
 
 
 def release_reserve() -> None:
-    global _reserve, _released
-    if _reserve is not None:
+    held = runtime.current().part(Reserve)
+    if held.mapped is not None:
         with contextlib.suppress(Exception):
-            _reserve.close()
-        _reserve, _released = None, True
+            held.mapped.close()
+        held.mapped, held.released = None, True
 
 
 GREW_MIN_BYTES = 64 * 2**20  # growth below this before a failure is no leak

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
 TOP = 12  # ops kept in the summary
 # torch's RecordScope of record_function's spans (DDP's forward, the DataLoader's next, gloo's
@@ -50,10 +51,18 @@ class Plan:
         return self.first + self.steps
 
 
-plan: Plan | None = None  # armed; read by the step hook each step
-_profiler: Any = None
-_began = 0.0
-_recorded = 0
+@dataclass
+class Recording:
+    """This rank's recording: a part of its runtime (ddpkit.rank.runtime)."""
+
+    plan: Plan | None = None  # armed; read by the step hook each step
+    profiler: Any = None
+    began: float = 0.0
+    recorded: int = 0
+
+
+def recording() -> Recording:
+    return runtime.current().part(Recording)
 
 
 def arm_from_environment() -> None:
@@ -83,14 +92,14 @@ def _on_request(state_dir: str, rank: str, now: int) -> bytes:
         asked = Plan(**json.loads(raw))
     except (OSError, TypeError, ValueError) as err:
         return json.dumps({"armed": False, "now": now, "why": f"no plan: {err}"}).encode()
-    armed = plan
+    armed = recording().plan
     if armed is not None and armed.id == asked.id:  # the command was stopped: cut the plan
-        if _profiler is None:  # not begun: nothing is recorded
+        if recording().profiler is None:  # not begun: nothing is recorded
             _disarm()
             return json.dumps({"armed": False, "now": now, "why": "cancelled"}).encode()
         _arm(asked)  # the hook ends the recording at the end of the new last step, or the next
         return json.dumps({"armed": True, "now": now, "cut": True}).encode()
-    if _profiler is not None:
+    if recording().profiler is not None:
         return json.dumps({"armed": False, "now": now, "why": "already recording"}).encode()
     if now >= asked.first:
         return json.dumps({"armed": False, "now": now, "why": "past the first step"}).encode()
@@ -99,61 +108,63 @@ def _on_request(state_dir: str, rank: str, now: int) -> bytes:
 
 
 def _arm(new: Plan) -> None:
-    global plan
-    plan = new
+    recording().plan = new
 
 
 def after_step(number: int, on_gpu: bool) -> None:
     """The step hook, at the end of step `number`, while a plan is armed."""
-    global _profiler, _began, _recorded
-    armed = plan
+    rec = recording()
+    armed = rec.plan
     if armed is None:
         return
-    if _profiler is None:
+    if rec.profiler is None:
         if number == armed.first:
             _start(armed, on_gpu)
         elif number > armed.first:  # started after the first step (a new attempt): missed
             _write_summary(armed, {"missed": True, "now": number})
             _disarm()
         return
-    _recorded = number - armed.first
+    rec.recorded = number - armed.first
     if number >= armed.last:
         _finish(armed, ended_early=False)
 
 
 def _start(armed: Plan, on_gpu: bool) -> None:
-    global _profiler, _began, _recorded
     import torch.profiler
 
+    rec = recording()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_gpu:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _profiler = torch.profiler.profile(
+    rec.profiler = torch.profiler.profile(
         activities=activities, record_shapes=armed.shapes, with_stack=armed.stack
     )
-    _profiler.start()
-    _began, _recorded = time.perf_counter(), 0
+    rec.profiler.start()
+    rec.began, rec.recorded = time.perf_counter(), 0
     _mark(True)
     atexit.register(_at_exit)
 
 
 def _at_exit() -> None:
-    if _profiler is not None and plan is not None:
-        _finish(plan, ended_early=True)
+    rec = recording()
+    if rec.profiler is not None and rec.plan is not None:
+        _finish(rec.plan, ended_early=True)
 
 
 def _finish(armed: Plan, ended_early: bool) -> None:
     """Stop, write the trace and the summary; the plan is done."""
-    global _profiler
-    profiler, _profiler = _profiler, None
+    rec = recording()
+    profiler, rec.profiler = rec.profiler, None
     _disarm()
-    seconds = time.perf_counter() - _began
+    seconds = time.perf_counter() - rec.began
     profiler.stop()
-    rank = os.environ.get("RANK", "0")
+    rank = runtime.current().rank_name
     folder = Path(armed.folder)
     trace = folder / f"rank{rank}.trace.json.gz"
     began = time.perf_counter()
-    facts: dict[str, Any] = {"seconds": seconds, "recorded": _recorded, "ended_early": ended_early}
+    facts: dict[str, Any] = {
+        "seconds": seconds, "recorded": rec.recorded, "ended_early": ended_early
+    }  # fmt: skip
     try:
         folder.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace))
@@ -168,10 +179,10 @@ def _finish(armed: Plan, ended_early: bool) -> None:
 
 def _mark(recording: bool) -> None:
     """The launcher's memory watch reads this: the profiler's events are no leak."""
-    state_dir = os.environ.get(protocol.STATE_DIR)
-    if not state_dir:
+    here = runtime.current()
+    if not here.state_dir:
         return
-    path = protocol.state_path(state_dir, os.environ.get("RANK", "0"), protocol.PROFILING)
+    path = here.path(protocol.PROFILING)
     try:
         if recording:
             path.touch()
@@ -182,8 +193,7 @@ def _mark(recording: bool) -> None:
 
 
 def _disarm() -> None:
-    global plan
-    plan = None
+    recording().plan = None
 
 
 def summarise(profiler: Any) -> dict[str, Any]:
@@ -217,12 +227,12 @@ def _device_time(event: Any) -> float:
 
 
 def _write_summary(armed: Plan, facts: dict[str, Any]) -> None:
-    rank = os.environ.get("RANK", "0")
+    here = runtime.current()
+    rank = here.rank_name
     text = json.dumps({"rank": int(rank), "plan": asdict(armed), **facts})
-    state_dir = os.environ.get(protocol.STATE_DIR)
     places = [Path(armed.folder) / f"rank{rank}.summary.json"]
-    if state_dir:
-        places.append(protocol.state_path(state_dir, rank, protocol.PROFILE_DONE))
+    if here.state_dir:
+        places.append(here.path(protocol.PROFILE_DONE))
     for path in places:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,32 +6,36 @@ Outside a worker of `ddpkit run` every call here does nothing."""
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
-_writer: protocol.RecordWriter | None = None
-_opened = False
+
+@dataclass
+class Progress:
+    """The rank's progress record, opened at first use: a part of its runtime."""
+
+    writer: protocol.RecordWriter | None = None
+    opened: bool = False
 
 
 def writer() -> protocol.RecordWriter | None:
     """This process's writer when it is a rank started by ddpkit run (else None)."""
-    global _writer, _opened
-    if not _opened:
-        _opened = True
-        state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
+    here = runtime.current()
+    progress = here.part(Progress)
+    if not progress.opened:
+        progress.opened = True
         # only the rank itself: a DataLoader worker inherits the variables but is not the rank
-        if state_dir and rank is not None and os.environ.get(protocol.RANK_PID) == str(os.getpid()):
+        if here.is_rank():
             try:
-                _writer = protocol.RecordWriter(
-                    protocol.state_path(state_dir, rank, protocol.PROGRESS)
-                )
+                progress.writer = protocol.RecordWriter(here.path(protocol.PROGRESS))
             except OSError:
-                _writer = None
-    return _writer
+                progress.writer = None
+    return progress.writer
 
 
 def beat() -> None:
@@ -118,8 +122,8 @@ def _tell_gpu(w: protocol.RecordWriter) -> int | None:
 
 
 def _state_dir() -> tuple[str, str] | None:
-    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK", "0")
-    return (state_dir, rank) if state_dir else None
+    here = runtime.current()
+    return (here.state_dir, here.rank_name) if here.state_dir else None
 
 
 def set_phase(phase: str) -> None:

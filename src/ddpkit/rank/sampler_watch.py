@@ -5,13 +5,18 @@ torch.utils.data.distributed is imported; said by rank 0 only (every rank has th
 
 from __future__ import annotations
 
-import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
-_said = False
+
+@dataclass
+class Said:
+    """Whether the notice was said: a part of the rank's runtime."""
+
+    said: bool = False
 
 
 def patch_sampler(module: Any) -> None:
@@ -19,23 +24,23 @@ def patch_sampler(module: Any) -> None:
     original = getattr(sampler, "__iter__", None)
     if original is None or getattr(original, "_ddpkit_watched", False):
         return
-    if os.environ.get(protocol.RANK_PID) != str(os.getpid()):
-        return  # a child of the rank (a DataLoader worker) says nothing
+    if not runtime.current().is_rank():
+        return  # outside ddpkit run, or a child of the rank (a DataLoader worker)
 
     def watched_iter(self: Any) -> Any:
-        global _said
+        told = runtime.current().part(Said)
         epoch = getattr(self, "epoch", None)
         passes = self.__dict__.get("_ddpkit_passes", {})
         passes[epoch] = passes.get(epoch, 0) + 1
         self.__dict__["_ddpkit_passes"] = passes
         if (
-            not _said
+            not told.said
             and getattr(self, "shuffle", False)
             and passes[epoch] == 2
             and len(passes) == 1
-            and os.environ.get("RANK", "0") == "0"
+            and runtime.current().rank_name == "0"
         ):
-            _said = True
+            told.said = True
             print(
                 f"ddpkit: a DistributedSampler starts another pass at epoch {epoch}: "
                 "set_epoch(epoch) is never called, so every epoch shuffles its samples the same "

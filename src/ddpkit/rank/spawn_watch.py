@@ -15,9 +15,9 @@ import sys
 from types import FrameType, ModuleType
 from typing import Any
 
-from ddpkit.common import protocol
 from ddpkit.common.frames import is_library
 from ddpkit.errors import ConfigError
+from ddpkit.rank import runtime
 
 
 class DoubleLaunchError(ConfigError):
@@ -30,7 +30,7 @@ def patch_spawn(module: ModuleType) -> None:
         return
 
     def start_processes(fn: Any, args: Any = (), nprocs: int = 1, *rest: Any, **kw: Any) -> Any:
-        if os.environ.get(protocol.RANK_PID) == str(os.getpid()) and not _joined():
+        if runtime.current().is_rank() and not _joined():
             raise double_launch(fn, nprocs, _script_frame(sys._getframe(1)))
         return original(fn, args, nprocs, *rest, **kw)
 

@@ -29,20 +29,19 @@ from __future__ import annotations
 import collections
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.common import protocol
-from ddpkit.rank import profiling
+from ddpkit.rank import profiling, runtime
 
 OFF_VARIABLE = "DDPKIT_STEP_TIMING"  # 0: no step timing in the ranks
 
 
 def _beat() -> None:
-    """A step is progress for the hang watch (ddpkit.rank.progress, found once)."""
-    global _beat
+    """A step is progress for the hang watch (ddpkit.rank.progress)."""
     from ddpkit.rank.progress import beat
 
-    _beat = beat  # type: ignore[assignment]
     beat()
 
 
@@ -102,7 +101,9 @@ class Clock:
         if self._capturing():
             return
         if self.owner is None:
-            self.owner = id(optimizer)
+            self.owner = runtime.current().steps.counting or id(optimizer)
+            if id(optimizer) != self.owner:
+                return
             self._learn(optimizer)
         elif id(optimizer) != self.owner:
             return
@@ -230,26 +231,32 @@ class Clock:
             self.comm += time.perf_counter() - self.grads_at
 
 
-_clock: Clock | None = None
+@dataclass
+class Timing:
+    """The rank's step timing: a part of its runtime (ddpkit.rank.runtime)."""
+
+    clock: Clock | None = None
 
 
 def clock() -> Clock | None:
-    return _clock
+    return runtime.current().part(Timing).clock
 
 
 def waited_in_collective(seconds: float) -> None:
     """The bootstrap's collective wrappers: this rank was blocked that long in one."""
-    if _clock is not None:
-        _clock.comm += seconds
+    timing = clock()
+    if timing is not None:
+        timing.comm += seconds
 
 
 def not_data(seconds: float) -> None:
     """ddpkit's loader spent `seconds` of the current batch's wait on its own work: not the
     user's data time (on the CPU it is reported as host time; on a GPU host time is what the
     GPU waited for the host, which it already includes)."""
-    if _clock is not None:
-        _clock.data -= seconds
-        _clock.own += seconds
+    timing = clock()
+    if timing is not None:
+        timing.data -= seconds
+        timing.own += seconds
 
 
 def patch_dataloader(module: Any) -> None:
@@ -261,12 +268,13 @@ def patch_dataloader(module: Any) -> None:
     call: Any = original
 
     def timed_next(self: Any) -> Any:
+        timing = clock()
         began = time.perf_counter()
         try:
             return call(self)
         finally:
-            if _clock is not None:
-                _clock.data += time.perf_counter() - began
+            if timing is not None:
+                timing.data += time.perf_counter() - began
 
     timed_next._ddpkit_timed = True  # type: ignore[attr-defined]
     base.__next__ = timed_next  # type: ignore[method-assign,union-attr]
@@ -280,12 +288,13 @@ def patch_backward(autograd: Any) -> None:
         return
 
     def backward(*args: Any, **kwargs: Any) -> Any:
+        timing = clock()
         began = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            if _clock is not None:
-                _clock.backward_ended(began)
+            if timing is not None:
+                timing.backward_ended(began)
 
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__
@@ -295,76 +304,76 @@ def patch_backward(autograd: Any) -> None:
 
 def install_optimizer_hooks(optimizer_module: Any) -> None:
     """Called by the bootstrap once torch.optim.optimizer is imported."""
-    global _clock
-    if _clock is not None or os.environ.get(OFF_VARIABLE) == "0":
-        return
-    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
-    if not state_dir or rank is None or os.environ.get(protocol.RANK_PID) != str(os.getpid()):
+    timing = clock()
+    here = runtime.current()
+    if timing is not None or os.environ.get(OFF_VARIABLE) == "0" or not here.is_rank():
         return
     try:
-        writer = protocol.StepWriter(protocol.state_path(state_dir, rank, protocol.STEPS))
+        writer = protocol.StepWriter(here.path(protocol.STEPS))
     except OSError:
         return
-    _clock = Clock(writer)
-    optimizer_module.register_optimizer_step_post_hook(_after_step)
+    runtime.current().part(Timing).clock = Clock(writer)
+    here.steps.after(_after_step)
     profiling.arm_from_environment()
-    profiling.serve(state_dir, rank, _step_now)
+    profiling.serve(here.state_dir, here.rank_name, _step_now)
     import atexit
 
     atexit.register(flush)
 
 
 def _step_now() -> int:
-    return _clock.number if _clock is not None else -1
+    timing = clock()
+    return timing.number if timing is not None else -1
 
 
-def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if _clock is not None:
-        _clock.after_step(optimizer)
-        if profiling.plan is not None:  # `ddpkit profile` armed this rank
-            profiling.after_step(_clock.number, _clock.cuda is not None)
+def _after_step(optimizer: Any) -> None:
+    timing = clock()
+    if timing is not None:
+        timing.after_step(optimizer)
+        if profiling.recording().plan is not None:  # `ddpkit profile` armed this rank
+            profiling.after_step(timing.number, timing.cuda is not None)
 
 
 def timed_here(path: Any) -> Any:
     """Time this process's steps into the step record at `path` as a rank's are, and return a
     function that takes every hook out again (benchmarks/step_timing_cost.py compares both in
     one run)."""
-    global _clock
     import torch.autograd
-    import torch.optim.optimizer as optimizer_module
     import torch.utils.data.dataloader as dataloader
 
     saved_next = dataloader._BaseDataLoaderIter.__next__
     saved_backward = torch.autograd.backward
-    _clock = Clock(protocol.StepWriter(path))
-    handle = optimizer_module.register_optimizer_step_post_hook(_after_step)
+    runtime.current().part(Timing).clock = Clock(protocol.StepWriter(path))
+    handle = runtime.current().steps.after(_after_step)
     patch_dataloader(dataloader)
     patch_backward(torch.autograd)
 
     def remove() -> None:
-        global _clock
+        timing = clock()
         handle.remove()
         dataloader._BaseDataLoaderIter.__next__ = saved_next  # type: ignore[method-assign]
         torch.autograd.backward = saved_backward
-        if _clock is not None:
+        if timing is not None:
             flush()
-            for _, hook in _clock.hooks:
+            for _, hook in timing.hooks:
                 hook.remove()
-        _clock = None
+        runtime.current().part(Timing).clock = None
 
     return remove
 
 
 def mark_step(owner: Any) -> None:
     """A step that did not call optimizer.step() (a replayed CUDA graph) ends here."""
-    if _clock is not None:
-        _clock.after_step(owner)
+    timing = clock()
+    if timing is not None:
+        timing.after_step(owner)
 
 
 def flush() -> None:
     """At the end of the script: the steps whose GPU timings were still running."""
-    if _clock is not None and _clock.pending:
+    timing = clock()
+    if timing is not None and timing.pending:
         try:
-            _clock._drain(wait=True)
+            timing._drain(wait=True)
         except Exception:
             pass

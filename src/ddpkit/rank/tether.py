@@ -16,10 +16,9 @@ import os
 import signal
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
 PR_SET_PDEATHSIG = 1
-STATE_DIR = os.environ.get(protocol.STATE_DIR, "")
-RANK = os.environ.get("RANK", "0")
 
 
 def tie_to_launcher() -> None:
@@ -37,10 +36,11 @@ def tie_to_launcher() -> None:
 def dump_stacks_on_signal() -> None:
     """Stacks on the launcher's request, and on a fatal signal (SIGSEGV, SIGABRT, SIGBUS,
     SIGFPE, SIGILL) into the rank's fault file, so the report names the line it died at."""
-    if not STATE_DIR:
+    here = runtime.current()
+    if not here.state_dir:
         return
-    stacks = open(protocol.state_path(STATE_DIR, RANK, protocol.STACKS), "a")  # noqa: SIM115 - open for the process's life
+    stacks = open(here.path(protocol.STACKS), "a")  # noqa: SIM115 - open for the process's life
     faulthandler.register(protocol.STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
     if not faulthandler.is_enabled():  # `python -X faulthandler`'s choice is the user's
-        fault = open(protocol.state_path(STATE_DIR, RANK, protocol.FAULT), "w")  # noqa: SIM115 - open for the process's life
+        fault = open(here.path(protocol.FAULT), "w")  # noqa: SIM115 - open for the process's life
         faulthandler.enable(file=fault, all_threads=True)

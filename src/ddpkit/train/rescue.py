@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.rank import runtime
 from ddpkit.train import step_count
 from ddpkit.train.placement import Placement
 
@@ -77,79 +78,97 @@ class Kept:
     loaders: tuple[int, ...] = ()  # the ids of the s.loaders among the objects
 
 
-_kept: Kept | None = None
-_live: Any = None  # a quick_rng.LiveStreams, made at the first snapshot
-_file: Any = None  # this rank's rng_file.RngFile; False outside a run or when it cannot be made
-_hooks: list[Any] = []
-# the script's hooks and a rescue on the launcher's request, one at a time; once a rescue has
-# begun (_halted) the script's thread waits in its next hook until the launcher ends the process
-_guard = threading.Lock()
-_halted = False
-_once = threading.Lock()  # one rescue per process: by the error hook or on request
-_said: tuple[str, bool] | None = None  # what the rescue did, once it ran
-_rescued = False
-_serving = False  # the launcher's requests are answered (a rank of ddpkit run)
+@dataclass
+class Rescue:
+    """This rank's rescue, a part of its runtime (ddpkit.rank.runtime)."""
+
+    kept: Kept | None = None
+    live: Any = None  # a quick_rng.LiveStreams, made at the first snapshot
+    file: Any = None  # this rank's rng_file.RngFile; False outside a run or when it cannot be made
+    hooks: list[Any] = field(default_factory=list)  # its subscriptions to the step hub
+    # the script's hooks and a rescue on the launcher's request, one at a time; once a rescue
+    # has begun (halted) the script's thread waits in its next hook until the launcher ends
+    # the process
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    halted: bool = False
+    once: threading.Lock = field(default_factory=threading.Lock)  # one rescue per process
+    said: tuple[str, bool] | None = None  # what the rescue did, once it ran
+    rescued: bool = False
+    serving: bool = False  # the launcher's requests are answered (a rank of ddpkit run)
+    buffer_lists: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+
+def _part() -> Rescue:
+    return runtime.current().part(Rescue)
 
 
 def remember(path: str | os.PathLike[str], objects: Mapping[str, Any], place: Placement) -> None:
     """s.save_state / s.load_state: these objects are what a failure would write."""
-    global _kept
+    r = _part()
     from ddpkit.train.state import kind_of, sharded_part
 
     kinds = {name: kind_of(name, obj) for name, obj in objects.items()}
     if os.environ.get(OFF, "") not in ("", "0"):
-        _kept = None  # the user turned it off: a host-bound step too short for its cost
+        r.kept = None  # the user turned it off: a host-bound step too short for its cost
         return
     if place.world_size < 2 or sharded_part(objects, kinds) is not None:
-        _kept = None  # one rank has no peer; a lost shard has no replica to write it from
+        r.kept = None  # one rank has no peer; a lost shard has no replica to write it from
         return
     from ddpkit.train.state import latest_seq
 
     root = Path(path)
     base = latest_seq(root) if root.is_dir() else 0
-    _kept = Kept(root, dict(objects), place, base=base, plan=_plan(objects, kinds))
-    _kept.loaders = tuple(id(target) for _, how, target in _kept.plan if how == "loader")
-    _buffer_lists.clear()  # walked again at the next boundary: the objects may be new
-    if not _hooks:
-        import torch.optim.optimizer as optimizer_module
-
+    r.kept = Kept(root, dict(objects), place, base=base, plan=_plan(objects, kinds))
+    r.kept.loaders = tuple(id(target) for _, how, target in r.kept.plan if how == "loader")
+    r.buffer_lists.clear()  # walked again at the next boundary: the objects may be new
+    if not r.hooks:
         from ddpkit.rank import failure
 
-        failure.AFTER_A_PEER.append(after_peer_failure)
-        _hooks.append(optimizer_module.register_optimizer_step_pre_hook(_step_begins))
-        _hooks.append(optimizer_module.register_optimizer_step_post_hook(_step_ended))
+        if after_peer_failure not in failure.AFTER_A_PEER:
+            failure.AFTER_A_PEER.append(after_peer_failure)
+        hub = runtime.current().steps
+        r.hooks += [hub.before(_step_begins), hub.after(_step_ended)]
     _serve_requests()
 
 
 def forget() -> None:
-    """Nothing kept, no rescue done: as a new process (tests drive several in one)."""
-    global _kept, _halted, _rescued, _said
-    _kept, _halted, _rescued, _said = None, False, False, None
+    """Nothing kept, no rescue done, no hook left on the step hub: as a new process."""
+    r = _part()
+    r.close()
+    r.kept, r.halted, r.rescued, r.said = None, False, False, None
 
 
 def _enter() -> None:
     """Take the guard for one of the script's hooks. Once a rescue has begun the script's
     thread stays here: the launcher ends the process when the state is written."""
-    _guard.acquire()
-    if _halted:
-        _guard.release()
+    r = _part()
+    r.guard.acquire()
+    if r.halted:
+        r.guard.release()
         while True:
             time.sleep(3600)
 
 
-def _step_begins(*_: Any) -> None:
-    if _kept is None:
+def _step_begins(optimizer: Any) -> None:
+    r = _part()
+    if r.kept is None:
         return
     _enter()
     try:
-        if _kept is not None:
-            _kept.open = False
+        if r.kept is not None:
+            r.kept.open = False
     finally:
-        _guard.release()
+        r.guard.release()
 
 
-def _step_ended(*_: Any) -> None:
-    kept = _kept
+def _step_ended(optimizer: Any) -> None:
+    r = _part()
+    kept = r.kept
     if kept is None:
         return
     _enter()
@@ -157,14 +176,15 @@ def _step_ended(*_: Any) -> None:
         kept.stepped = True
         if _streams_file():  # in case this rank dies before its next fetch (rng_file)
             kept.after_step = _streams().payload()
-            _file.put(kept.base, kept.boundaries + 1, kept.after_step, fetched=False)
+            r.file.put(kept.base, kept.boundaries + 1, kept.after_step, fetched=False)
     finally:
-        _guard.release()
+        r.guard.release()
 
 
 def before_fetch(loader: Any) -> None:
     """An s.loader is about to fetch a batch: at a step's boundary, take the snapshot."""
-    kept = _kept
+    r = _part()
+    kept = r.kept
     if kept is None or not kept.stepped or id(loader) not in kept.loaders:
         return
     _enter()
@@ -176,38 +196,38 @@ def before_fetch(loader: Any) -> None:
         snap["moved"] = after is None or after != snap["streams"]
         if _streams_file():
             if snap["moved"]:
-                _file.put(kept.base, kept.boundaries, snap["streams"])
+                r.file.put(kept.base, kept.boundaries, snap["streams"])
             else:
-                _file.mark_fetched(kept.boundaries)
+                r.file.mark_fetched(kept.boundaries)
         kept.open = True
     finally:
-        _guard.release()
+        r.guard.release()
 
 
 def _serve_requests() -> None:
     """A rank of `ddpkit run` answers the launcher's request to write (once per process)."""
-    global _serving
     from ddpkit.common import protocol
 
-    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
-    if _serving or not state_dir or rank is None:
-        return
-    if os.environ.get(protocol.RANK_PID) != str(os.getpid()):  # a child of the rank
+    r, here = _part(), runtime.current()
+    if r.serving or not here.is_rank():  # outside a run, or a child of the rank
         return
     from ddpkit.rank import answering
 
-    _serving = True
-    answering.answer(state_dir, rank, protocol.RESCUE_REQUEST, protocol.RESCUE_DONE, _on_request)
-    protocol.state_path(state_dir, rank, protocol.RESCUE_READY).touch()
+    r.serving = True
+    answering.answer(
+        here.state_dir, here.rank or "0", protocol.RESCUE_REQUEST, protocol.RESCUE_DONE,
+        _on_request,
+    )  # fmt: skip
+    here.path(protocol.RESCUE_READY).touch()
 
 
 def _on_request() -> bytes:
     """The launcher's request, on the answering thread: a peer failed. Stop the script's thread
     at its next hook, abort NCCL, write; the answer is what was done, in words."""
-    global _halted
-    with _guard:
-        _halted = True
-    kept = _kept
+    r = _part()
+    with r.guard:
+        r.halted = True
+    kept = r.kept
     if kept is not None and kept.place.backend == "nccl":
         _abort_nccl(kept.place)
     did = after_peer_failure()
@@ -215,7 +235,7 @@ def _on_request() -> bytes:
         from ddpkit.rank import failure
 
         failure.say(*did)
-    said = _said or ("nothing to write: no state of a completed step is kept", False)
+    said = r.said or ("nothing to write: no state of a completed step is kept", False)
     return said[0].encode()
 
 
@@ -233,21 +253,21 @@ def _abort_nccl(place: Placement) -> None:
 
 def _streams_file() -> bool:
     """This rank keeps its streams in a file its node's survivors read (a rank of ddpkit run)."""
-    global _file
-    if _file is None:
+    r = _part()
+    if r.file is None:
         from ddpkit.train import rng_file
 
-        _file = rng_file.mine() or False
-    return bool(_file)
+        r.file = rng_file.mine() or False
+    return bool(r.file)
 
 
 def _streams() -> Any:
-    global _live
-    if _live is None:
+    r = _part()
+    if r.live is None:
         from ddpkit.train.quick_rng import LiveStreams
 
-        _live = LiveStreams()
-    return _live
+        r.live = LiveStreams()
+    return r.live
 
 
 def _plan(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> list[tuple[str, str, Any]]:
@@ -309,16 +329,14 @@ class _Buffers:
     copies: list[torch.Tensor]
 
 
-_buffer_lists: dict[str, _Buffers] = {}
-
-
 def _buffers_now(name: str, model: torch.nn.Module) -> _Buffers:
-    held = _buffer_lists.get(name)
+    r = _part()
+    held = r.buffer_lists.get(name)
     if held is None:
         named = list(model.named_buffers())
         live = [b.detach() for _, b in named]
         held = _Buffers([n for n, _ in named], live, [b.clone() for b in live])
-        _buffer_lists[name] = held
+        r.buffer_lists[name] = held
     elif held.live:
         torch._foreach_copy_(held.copies, held.live)
     return held
@@ -370,19 +388,20 @@ def after_peer_failure() -> tuple[str, bool] | None:
     should hear it; None when nothing was kept, or when it was done already (the error hook
     and the launcher's request may both come). Never raises: the error that brought us here
     is what the rank reports."""
-    global _halted, _rescued, _said
-    with _once:
-        if _rescued:
+    r = _part()
+    with r.once:
+        if r.rescued:
             return None
-        _rescued = True
-        with _guard:
-            _halted = True  # no step begins while the state is written
-        _said = _rescue()
-        return _said
+        r.rescued = True
+        with r.guard:
+            r.halted = True  # no step begins while the state is written
+        r.said = _rescue()
+        return r.said
 
 
 def _rescue() -> tuple[str, bool] | None:
-    kept = _kept
+    r = _part()
+    kept = r.kept
     if kept is None:
         return None
     if kept.boundaries == 0 and not kept.stepped:

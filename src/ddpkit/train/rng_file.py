@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 from ddpkit.train.quick_rng import streams_of
 
 SLOT = 16384  # bytes per slot: the streams take ~10.6 KB (CUDA: 16 bytes a GPU)
@@ -97,16 +98,16 @@ def read(path: Path, base: int, boundary: int, fetched: bool = False) -> dict[st
 
 def mine() -> RngFile | None:
     """This rank's file when it is a rank of `ddpkit run` (else None)."""
-    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
-    if not state_dir or rank is None or os.environ.get(protocol.RANK_PID) != str(os.getpid()):
+    here = runtime.current()
+    if not here.is_rank():
         return None
     try:
-        return RngFile(path_of(state_dir, int(rank)))
+        return RngFile(path_of(here.state_dir, int(here.rank_name)))
     except (OSError, ValueError):
         return None
 
 
 def of_rank(rank: int) -> Path | None:
     """Where another rank of this node keeps its file, if this process is a rank of a run."""
-    state_dir = os.environ.get(protocol.STATE_DIR)
+    state_dir = runtime.current().state_dir
     return path_of(state_dir, rank) if state_dir else None

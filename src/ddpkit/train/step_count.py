@@ -5,9 +5,9 @@ mapped record of its state folder (protocol.StepCount), so the launcher can say 
 cost (the step it came at, the step the job went on from, the time between), even for a rank
 that was killed.
 
-A step ends at `optimizer.step()` (torch's global optimizer hook, installed by `setup()`: one
-Python call and one 8-byte write a step); with several optimizers the first one that steps
-marks the steps, as the step timing does (ddpkit.rank.steps).
+A step ends at `optimizer.step()` (the rank's optimizer-step hub, ddpkit.rank.runtime,
+subscribed to by `setup()`: one Python call and one 8-byte write a step); with several
+optimizers the first one that steps marks the steps, as for everything else on the hub.
 """
 
 from __future__ import annotations
@@ -16,34 +16,48 @@ import mmap
 import os
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.common import protocol
+from ddpkit.rank import runtime
 
-_base = 0  # the steps of the state this process loaded
-_done = 0  # the steps this process did since
-_marker: int | None = None  # id() of the optimizer whose steps count
-_hook: Any = None
-_record: mmap.mmap | None = None
+
+@dataclass
+class Count:
+    """This rank's count, a part of its runtime."""
+
+    base: int = 0  # the steps of the state this process loaded
+    done: int = 0  # the steps this process did since
+    subscription: Any = None  # on the rank's optimizer-step hub
+    record: mmap.mmap | None = None
+
+    def write(self, first_end: float, loaded: bool, rescued: bool) -> None:
+        if self.record is not None:
+            protocol.COUNT_FORMAT.pack_into(
+                self.record, 0, self.base, self.done, first_end, loaded, rescued
+            )
+
+
+def _count() -> Count:
+    return runtime.current().part(Count)
 
 
 def install() -> None:
-    global _hook, _record
-    if _hook is not None:
+    count = _count()
+    if count.subscription is not None:
         return
-    import torch.optim.optimizer as optimizer_module
-
-    _hook = optimizer_module.register_optimizer_step_post_hook(_stepped)
-    _record = _open_record()
-    _write(0.0, False, False)
+    count.subscription = runtime.current().steps.after(_stepped)
+    count.record = _open_record()
+    count.write(0.0, False, False)
 
 
 def _open_record() -> mmap.mmap | None:
-    state_dir, rank = os.environ.get(protocol.STATE_DIR), os.environ.get("RANK")
-    if not state_dir or rank is None or os.environ.get(protocol.RANK_PID) != str(os.getpid()):
+    here = runtime.current()
+    if not here.is_rank():
         return None  # not a rank of ddpkit run (a DataLoader worker inherits the variables)
     try:
-        path = protocol.state_path(state_dir, rank, protocol.COUNT)
+        path = here.path(protocol.COUNT)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.posix_fallocate(fd, 0, protocol.COUNT_FORMAT.size)
@@ -54,35 +68,30 @@ def _open_record() -> mmap.mmap | None:
         return None
 
 
-def _write(first_end: float, loaded: bool, rescued: bool) -> None:
-    if _record is not None:
-        protocol.COUNT_FORMAT.pack_into(_record, 0, _base, _done, first_end, loaded, rescued)
-
-
-def _stepped(optimizer: Any, *_: Any) -> None:
-    global _done, _marker
-    if _marker is None:
-        _marker = id(optimizer)
-    if id(optimizer) != _marker:
+def _stepped(optimizer: Any) -> None:
+    here = runtime.current()
+    if not here.steps.counts(optimizer):
         return
-    _done += 1
-    if _record is not None:
-        if _done == 1:
-            struct.pack_into("<d", _record, 16, time.time())
+    count = here.part(Count)
+    count.done += 1
+    if count.record is not None:
+        if count.done == 1:
+            struct.pack_into("<d", count.record, 16, time.time())
             from ddpkit.rank import progress
 
             progress.write_modules()  # what the next attempt's warm spares import
-        _record[8:16] = _done.to_bytes(8, "little", signed=True)
+        count.record[8:16] = count.done.to_bytes(8, "little", signed=True)
 
 
 def done() -> int:
     """The job's completed optimizer steps, as far as this process knows."""
-    return _base + _done
+    count = _count()
+    return count.base + count.done
 
 
 def resumed_at(steps: int, rescued: bool) -> None:
     """The state just loaded held `steps` completed steps (`rescued`: the one the ranks left
     wrote at a failure): count on from there."""
-    global _base, _done
-    _base, _done = steps, 0
-    _write(0.0, True, rescued)
+    count = _count()
+    count.base, count.done = steps, 0
+    count.write(0.0, True, rescued)

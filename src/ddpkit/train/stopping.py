@@ -39,6 +39,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.rank import runtime
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CLOSE_WAIT = 10.0  # seconds close() waits for a comparison still in flight
 BUDGET = 0.0005  # the share of the step time the comparisons may take
@@ -81,8 +83,9 @@ class StopFlag:
         self.requested = True  # only ever set: a comparison in flight cannot undo it
         self.signal = signum
 
-    def _stepped(self, *_: Any) -> None:
-        self.optimizer_steps += 1
+    def _stepped(self, optimizer: Any) -> None:
+        if runtime.current().steps.counts(optimizer):  # a second optimizer's step is no step
+            self.optimizer_steps += 1
 
     @property
     def steps(self) -> int:
@@ -139,11 +142,10 @@ class StopFlag:
 
     def _start_watching(self) -> None:
         import torch.distributed as dist
-        import torch.optim.optimizer as optimizer
 
         # gloo on CPU tensors: comparing flags never touches a GPU, whatever the job's backend
         self._group = dist.new_group(backend="gloo")
-        self._hook = optimizer.register_optimizer_step_post_hook(self._stepped)
+        self._hook = runtime.current().steps.after(self._stepped)
 
     def _compare(self, gap: int) -> None:
         import torch
