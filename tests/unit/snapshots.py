@@ -20,3 +20,25 @@ def worker(rank: int, exit_code: int | None = None, ended: float = 0.0) -> Worke
 def look(state: Path, workers: list[Worker]) -> Snapshot:
     """The snapshot the supervisor would take of these workers and these files."""
     return Reader(state).look(workers, steps=True)
+
+
+def diagnosed(snap: Snapshot, oom=None, growth=None, places_of=None):
+    """The cause of a failed attempt, as the launcher's diagnosis names it."""
+    from ddpkit.launch import diagnosis
+
+    return diagnosis.failed(diagnosis.Failure(snap, oom, growth, places_of))
+
+
+def failed_outcome(snap: Snapshot, oom=None, growth=None):
+    """The outcome the launcher reports for a failed attempt."""
+    from ddpkit.launch.report import Outcome
+
+    return Outcome.of(diagnosed(snap, oom, growth))
+
+
+def waited_for(snap: Snapshot, places_of):
+    """The rank the failed ranks waited for, when every failed rank only waited (else None)."""
+    from ddpkit.launch import diagnosis
+
+    cause = diagnosed(snap, places_of=places_of)
+    return cause if cause.kind in diagnosis.WAITED_FOR else None

@@ -12,8 +12,8 @@ import pytest
 from ddpkit.common import protocol
 from ddpkit.launch import report
 from ddpkit.launch.base.place import Doing, Place
-from ddpkit.launch.hang import blame, places
-from tests.unit.snapshots import look, worker
+from ddpkit.launch.hang import places
+from tests.unit.snapshots import failed_outcome, look, waited_for, worker
 
 RANKS = (0, 1, 2)
 
@@ -33,10 +33,10 @@ def test_the_rank_that_ran_out_of_batches_is_named_not_the_ranks_that_waited(tmp
     for r in others(culprit):
         lost(tmp_path, r, "Connection closed by peer [127.0.0.1]:1234", now + 0.2)
     workers = [worker(culprit, 0, now)] + [worker(r, 1, now + 0.3) for r in others(culprit)]
-    found = blame.find_culprit(look(tmp_path, workers), lambda alive: {})
+    found = waited_for(look(tmp_path, workers), lambda alive: {})
     assert found is not None
     assert found.rank == culprit
-    assert found.victims == others(culprit)
+    assert list(found.victims) == others(culprit)
     a, b = others(culprit)
     assert found.summary.startswith(f"rank {culprit} ended (exit code 0) while ranks {a},{b}")
 
@@ -53,7 +53,7 @@ def test_the_rank_the_others_timed_out_for_is_named_where_it_was(tmp_path, culpr
         asked.append(alive)
         return dict.fromkeys(alive, Place(Doing.ELSEWHERE, "train.py:21", func="evaluate"))
 
-    found = blame.find_culprit(look(tmp_path, workers), places_of)
+    found = waited_for(look(tmp_path, workers), places_of)
     assert asked == [[culprit]], "only the live rank's place is asked for"
     assert found is not None
     assert found.rank == culprit
@@ -76,12 +76,12 @@ def test_a_victim_slower_to_exit_is_not_named_in_the_culprits_place(tmp_path, cu
         culprit: Place(Doing.ELSEWHERE, "train.py:21", func="evaluate"),
         slow: Place(Doing.NO_STACK),
     }
-    found = blame.find_culprit(look(tmp_path, workers), lambda alive: {r: where[r] for r in alive})
+    found = waited_for(look(tmp_path, workers), lambda alive: {r: where[r] for r in alive})
     assert found is not None
     assert found.rank == culprit
     lost(tmp_path, slow, "Timed out waiting 6000ms for recv operation to complete", now + 0.1)
     asked = []
-    found = blame.find_culprit(look(tmp_path, workers), lambda alive: asked.append(alive) or where)
+    found = waited_for(look(tmp_path, workers), lambda alive: asked.append(alive) or where)
     assert asked == [[culprit]], "a rank that recorded its error is a victim, not a suspect"
     assert found is not None
     assert found.rank == culprit
@@ -121,7 +121,7 @@ def test_a_rank_that_died_of_a_signal_is_the_root_cause_at_its_crash_site(tmp_pa
         lost(tmp_path, r, "Connection closed by peer [127.0.0.1]:1234", now + 1)
     failed = [worker(culprit, -signal.SIGSEGV, now)]
     failed += [worker(r, 1, now + 1) for r in others(culprit)]
-    outcome = report.Outcome.rank_failed(look(tmp_path, failed))
+    outcome = failed_outcome(look(tmp_path, failed))
     assert outcome.root_rank == culprit
     assert outcome.summary.startswith(
         f"rank {culprit} died of SIGSEGV at dies_hard.py:24 in read_null"
@@ -139,7 +139,7 @@ def test_the_first_error_that_is_not_a_lost_peer_is_the_root_cause_at_any_rank(t
     for r in others(culprit):  # rank 0's end takes the store: the others lose it first
         lost(tmp_path, r, "Connection closed by peer [127.0.0.1]:1234", now - 0.5)
     failed = [worker(r, 1, now) for r in RANKS]
-    outcome = report.Outcome.rank_failed(look(tmp_path, failed))
+    outcome = failed_outcome(look(tmp_path, failed))
     assert outcome.root_rank == culprit
     assert outcome.summary.startswith(f"rank {culprit} exited with code 1"), outcome.summary
 

@@ -393,14 +393,18 @@ def test_a_place_crosses_to_another_node_unchanged(place):
 
 
 def test_the_hang_advice_follows_the_places_not_the_words_of_the_summary():
-    from ddpkit.launch.report import Outcome
+    from ddpkit.launch import diagnosis
+
+    def fix(verdict: str, *where: Place) -> str:
+        hang = diagnosis.Hang(dict(enumerate(where)), verdict, "", stall=300, timeout=300)
+        return diagnosis.hung(hang).fix
 
     gpu = Place(Doing.WAITS_FOR_GPU, seconds=40, gpu=0, busy=100)
     ended = Place(Doing.EXITED, code=0)
     waiting = Place(Doing.WAITS_IN, "t.py:9", op="all_reduce")
-    assert "a GPU kernel never finished" in Outcome.hang("x", "", 300, [gpu, waiting]).fix
-    assert "uneven inputs" in Outcome.hang("x", "", 300, [ended, waiting]).fix
-    plain = Outcome.hang("waits for GPU 0; has exited (code 0)", "", 300, [waiting]).fix
+    assert "a GPU kernel never finished" in fix("x", gpu, waiting)
+    assert "uneven inputs" in fix("x", ended, waiting)
+    plain = fix("waits for GPU 0; has exited (code 0)", waiting)
     assert "GPU kernel" not in plain
     assert "uneven" not in plain
 

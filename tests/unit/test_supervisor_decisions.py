@@ -17,7 +17,7 @@ from ddpkit.launch.base.worker import Signals
 from ddpkit.launch.peers.liveness import Abort, Liveness
 from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.peers.peers import NodePeers, wait_for_word
-from tests.unit.snapshots import look, worker
+from tests.unit.snapshots import failed_outcome, look, worker
 
 
 def error(state, rank: int, message: str, at: float, kind: str = "RuntimeError", code=None):
@@ -28,7 +28,7 @@ def test_the_root_cause_is_the_first_error_that_is_not_a_lost_peer(tmp_path):
     now = time.time()
     error(tmp_path, 0, "Connection reset by peer", now - 2)  # earlier, but a victim's words
     error(tmp_path, 1, "shapes differ", now - 1, kind="ValueError")
-    outcome = report.Outcome.rank_failed(look(tmp_path, [worker(0, 1), worker(1, 1)]))
+    outcome = failed_outcome(look(tmp_path, [worker(0, 1), worker(1, 1)]))
     assert outcome.root_rank == 1
     assert outcome.summary.startswith("rank 1 ")
     assert "(ValueError: shapes differ)" in outcome.summary
@@ -39,14 +39,14 @@ def test_when_every_failed_rank_lost_a_peer_the_cause_may_be_elsewhere(tmp_path)
     now = time.time()
     error(tmp_path, 0, "Connection closed by peer", now - 1)
     error(tmp_path, 1, "Connection reset by peer", now - 2)
-    outcome = report.Outcome.rank_failed(look(tmp_path, [worker(0, 1), worker(1, 1)]))
+    outcome = failed_outcome(look(tmp_path, [worker(0, 1), worker(1, 1)]))
     assert outcome.victim
     assert outcome.root_rank == 1, "the earliest of the victims"
 
 
 def test_a_rank_without_an_error_record_is_placed_by_when_it_ended(tmp_path):
     now = time.time()
-    outcome = report.Outcome.rank_failed(
+    outcome = failed_outcome(
         look(tmp_path, [worker(0, -signal.SIGKILL, now - 1), worker(1, 3, now - 5)])
     )
     assert outcome.root_rank == 1
@@ -171,7 +171,7 @@ def test_ranks_that_failed_the_same_way_at_once_are_named_by_the_lowest(tmp_path
     now = time.time()
     error(tmp_path, 1, "world_size=4 but this is rank 1", now - 1.0, kind="InitMismatchError")
     error(tmp_path, 0, "world_size=4 but this is rank 0", now - 0.8, kind="InitMismatchError")
-    outcome = report.Outcome.rank_failed(look(tmp_path, [worker(0, 1), worker(1, 1)]))
+    outcome = failed_outcome(look(tmp_path, [worker(0, 1), worker(1, 1)]))
     assert outcome.root_rank == 0, "the same error within a second: the lowest rank names it"
 
 
@@ -207,7 +207,7 @@ def two_killed_at_once(tmp_path):
 
 
 def test_of_ranks_the_oom_killer_ended_at_once_the_one_that_held_most_is_the_cause(tmp_path):
-    outcome = report.Outcome.rank_failed(two_killed_at_once(tmp_path), oom_watch(tmp_path, 2))
+    outcome = failed_outcome(two_killed_at_once(tmp_path), oom_watch(tmp_path, 2))
     assert outcome.root_rank == 1
     assert outcome.summary == (
         "rank 1 was killed by the kernel's OOM killer: the job's memory cgroup (limit 3 GiB) ran "
@@ -217,6 +217,6 @@ def test_of_ranks_the_oom_killer_ended_at_once_the_one_that_held_most_is_the_cau
 
 
 def test_ranks_killed_at_once_without_an_oom_kill_are_named_by_who_ended_first(tmp_path):
-    outcome = report.Outcome.rank_failed(two_killed_at_once(tmp_path), oom_watch(tmp_path, 0))
+    outcome = failed_outcome(two_killed_at_once(tmp_path), oom_watch(tmp_path, 0))
     assert outcome.root_rank == 0
     assert outcome.summary == "rank 0 died of SIGKILL", outcome.summary

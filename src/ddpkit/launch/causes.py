@@ -1,10 +1,8 @@
-"""Why a rank died, in one place: which of the failed ranks began it (`root_cause`), and in
-its own words: the error it recorded (a DataLoader worker's own exception, not torch's wrapper;
-the line of the user's code it came from), the line a fatal signal hit (faulthandler's dump in
-the rank's fault file), whether the kernel's OOM killer ended it (the memory cgroup's oom_kill
-counter, or the kernel log where it can be read), and out of GPU memory the memory verdict.
-When the failed ranks only waited for a peer, ddpkit.launch.hang.blame names the rank they
-waited for; the report (ddpkit.launch.report) only writes it down.
+"""A rank's death in its own words: the error it recorded (a DataLoader worker's own
+exception, not torch's wrapper; the line of the user's code it came from), the line a fatal
+signal hit (faulthandler's dump in the rank's fault file), whether the kernel's OOM killer ended
+it (the memory cgroup's oom_kill counter, or the kernel log where it can be read). Which rank is
+the cause, and the fix, are decided by the rules of ddpkit.launch.diagnosis.
 """
 
 from __future__ import annotations
@@ -12,14 +10,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from ddpkit.common import protocol
 from ddpkit.common.host_memory import memory_cgroup, memory_limit, oom_kills
 from ddpkit.common.units import size
-from ddpkit.launch import oom_verdict
-from ddpkit.launch.base.snapshot import RankView, Snapshot
+from ddpkit.launch.base.snapshot import RankView
 
 # signals after which faulthandler has written the rank's stack to its fault file
 FATAL = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
@@ -28,7 +23,7 @@ SAME_MOMENT = 1.0  # seconds within which ranks failing the same way failed toge
 VICTIM_WORDS = protocol.VICTIM_WORDS  # a rank's error that says a peer failed first
 
 
-def _same_error(a: protocol.ErrorRecord, b: protocol.ErrorRecord) -> bool:
+def same_error(a: protocol.ErrorRecord, b: protocol.ErrorRecord) -> bool:
     """The same error on two ranks: its type, and its words but for the numbers in them."""
     return a.type == b.type and re.sub(r"\d+", "#", a.message) == re.sub(r"\d+", "#", b.message)
 
@@ -181,7 +176,7 @@ OOM_FIX = (
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pids?\s*([\d, ]+)\) is killed by signal")
 
 
-def _the_one_that_held_most(
+def the_one_that_held_most(
     root: RankView,
     failed: tuple[RankView, ...],
     errors: dict[int, protocol.ErrorRecord],
@@ -210,86 +205,3 @@ def killed_worker_pids(error: protocol.ErrorRecord | None) -> set[int]:
         return set()
     match = _WORKER_KILLED.search(error.message)
     return {int(p) for p in re.findall(r"\d+", match.group(1))} if match else set()
-
-
-@dataclass(frozen=True)
-class RootCause:
-    """Why the job's failure began: the rank, what happened to it in words, the fix."""
-
-    rank: int
-    summary: str  # 'rank 1 exited with code 3 (ValueError: bad sample 17) at train.py:41'
-    fix: str
-    exit_code: int  # as a shell reports it (128+N for signal N)
-    victim: bool  # its error says a peer failed first: the cause may be elsewhere
-
-
-def root_cause(
-    snap: Snapshot,
-    oom: OomWatch | None = None,
-    growth: Callable[[int], str | None] | None = None,
-) -> RootCause:
-    """The root cause among the ranks that exited non-zero in `snap`: the first to fail (a
-    rank whose error says a peer failed first counts last; of ranks that failed the same way
-    at once, the lowest), with its own words: the error and the user's line it came from, the
-    line a fatal signal hit, the kernel's OOM killer, or, out of GPU memory, the memory
-    verdict (ddpkit.launch.oom_verdict). Who the failed ranks waited for, when they only
-    waited: ddpkit.launch.hang.blame."""
-    failed = snap.exited_nonzero
-    state_dir = snap.state_dir
-    errors = {w.rank: w.error for w in failed if w.error is not None}
-
-    def order(w: RankView) -> tuple[bool, float]:
-        error = errors.get(w.rank)
-        if error is None:
-            return False, w.ended_wall
-        return any(word in error.message for word in VICTIM_WORDS), error.time
-
-    root = min(failed, key=order)
-    first = errors.get(root.rank)
-    if first is not None:  # ranks that failed the same way at once: the lowest names it
-        same = [
-            w
-            for w in failed
-            if (e := errors.get(w.rank)) is not None
-            and _same_error(e, first)
-            and e.time - first.time < SAME_MOMENT
-        ]
-        root = min(same, key=lambda w: w.rank)
-    also_killed: list[RankView] = []
-    if oom is not None and root.exit_code == -signal.SIGKILL and root.rank not in errors:
-        root, also_killed = _the_one_that_held_most(root, failed, errors, oom)
-    victim = order(root)[0] is True
-    summary = f"rank {root.rank} {describe_exit(root.exit_code)}"
-    fix = ""
-    error = errors.get(root.rank)
-    code = root.exit_code or 0
-    if code < 0 and -code in FATAL and (site := fault_site(root.fault)):
-        summary += f" at {site}"
-    killed = {root.pid} if code == -signal.SIGKILL else killed_worker_pids(error)
-    if killed and oom is not None and oom.killed(killed):
-        summary = f"rank {root.rank} {oom.text(root.rss)}"
-        for other in also_killed:
-            summary += (
-                f"; rank {other.rank} was SIGKILLed the same moment (it held {gib(other.rss)})"
-            )
-        fix = OOM_FIX
-    if error is not None:
-        site = error_site(error)
-        memory_facts = root.memory
-        if memory_facts is not None:  # out of memory: what it held, and what would fit
-            grew = growth(root.rank) if growth is not None else None
-            grew = grew or oom_verdict.grew_before(memory_facts)  # a leak faster than the watch
-            summary, fix = oom_verdict.verdict(memory_facts, root.rank, site, grew)
-            snapshot = protocol.state_path(state_dir, root.rank, protocol.MEMORY_SNAPSHOT)
-            if root.memory_snapshot:
-                fix += (
-                    f"\n  memory snapshot: {snapshot} (open it in "
-                    "https://pytorch.org/memory_viz); plot: "
-                    f"{protocol.state_path(state_dir, root.rank, protocol.MEMORY_PLOT)}"
-                )
-        else:
-            summary += f" ({error_text(error)})"
-            if site:
-                summary += f" at {site}"
-            fix = fix or error.fix
-    return RootCause(root.rank, summary, fix, exit_code_of(code), victim)

@@ -10,12 +10,18 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
 from ddpkit.launch.base.snapshot import RankView, Snapshot
 from ddpkit.launch.base.worker import Worker
-from ddpkit.launch.hang.blame import waited
 
 log = logging.getLogger(__name__)
+
+
+def waited(error: protocol.ErrorRecord | None) -> bool:
+    """A rank's error that says it failed waiting for a peer."""
+    return error is not None and any(word in error.message for word in protocol.WAITING_WORDS)
+
 
 ERROR_EXIT_WAIT = 3.0  # seconds a rank that recorded an error may take to exit
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.launch import causes, observe, report
+from ddpkit.launch import causes, diagnosis, observe, report
 from ddpkit.launch.base.config import LaunchConfig
 from ddpkit.launch.base.decide import Verdict
 from ddpkit.launch.base.output import CONSOLE
@@ -22,7 +22,7 @@ from ddpkit.launch.base.place import Place
 from ddpkit.launch.base.snapshot import Reader, Snapshot
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.base.worker import Signals, Worker
-from ddpkit.launch.hang import blame, mismatch, places
+from ddpkit.launch.hang import mismatch, places
 from ddpkit.launch.peers.liveness import BEAT, Abort
 from ddpkit.launch.peers.peers import Peers, wait_for_word
 
@@ -69,26 +69,23 @@ def interrupted(scene: Scene) -> report.Outcome:
 
 
 def rank_failed(scene: Scene) -> report.Outcome:
-    """The root cause among the ranks that failed (settled), or the rank they waited for, or
-    another node's word when every failed rank lost a peer."""
+    """Why ranks failed (ddpkit.launch.diagnosis), or another node's word when every failed
+    rank lost a peer and the cause may be there."""
     snap = scene.look(steps=True)
-    outcome = report.Outcome.rank_failed(snap, causes.OomWatch(), scene.growth)
 
     def places_of(ranks: list[int]) -> dict[int, Place]:
         return places.collect(scene.look().narrowed(ranks), hung=False, wait=scene.wait)[0]
 
-    culprit = blame.find_culprit(snap, places_of)
-    log.debug("failed ranks %s; root cause rank %s", observe.failed(snap), outcome.root_rank)
-    if culprit is not None:
-        log.debug("they waited for rank %d: it is the root cause", culprit.rank)
-        outcome.blame(culprit, snap)
-    if scene.peers.multi_node and outcome.victim:  # the cause may be another node's
+    facts = diagnosis.Failure(snap, causes.OomWatch(), scene.growth, places_of)
+    cause = diagnosis.failed(facts)
+    log.debug("failed ranks %s; %s: rank %s", observe.failed(snap), cause.kind.name, cause.rank)
+    if scene.peers.multi_node and cause.victim:  # the cause may be another node's
         word = wait_for_word(scene.peers, scene.wait, scene.cfg.node_timeout + BEAT)
         if isinstance(word, Abort):
             return report.Outcome.other_node(word)
         if isinstance(word, str):
             return report.Outcome.node_lost(word, scene.peers.lost_goes_on())
-    return outcome
+    return report.Outcome.of(cause)
 
 
 def console_closed(scene: Scene) -> report.Outcome:
@@ -120,18 +117,19 @@ def hung(scene: Scene) -> report.Outcome:
     every, hosts, details = scene.peers.places_everywhere(
         found.places, found.details, scene.cfg.nproc_per_node, scene.wait
     )
-    line = f"no rank made progress for {scene.stall:.0f} s: {places.verdict(every, hosts)}"
     if scene.signals.count:
         return interrupted(scene)
     calls = places.calls_of(every, found.calls)
-    differ = mismatch.find(calls) if calls else None
-    if differ is not None:  # no timeout fixes that: say which calls differ, and where
-        outcome = report.Outcome.hang(
-            f"{differ.line} (no rank made progress for {scene.stall:.0f} s)", details, 0
-        )
-        outcome.fix = mismatch.fix_line(differ, script_roots(scene.cfg))
-        return outcome
-    return report.Outcome.hang(line, details, scene.cfg.hang_timeout, every.values())
+    facts = diagnosis.Hang(
+        every,
+        places.verdict(every, hosts),
+        details,
+        scene.stall,
+        scene.cfg.hang_timeout,
+        mismatch.find(calls) if calls else None,
+        script_roots(scene.cfg),
+    )
+    return report.Outcome.of(diagnosis.hung(facts))
 
 
 def missing_at_init(scene: Scene) -> report.Outcome:
@@ -139,20 +137,10 @@ def missing_at_init(scene: Scene) -> report.Outcome:
     never completed): where the missing ranks are instead, as the hang doctor shows them."""
     snap = scene.look()
     missing = observe.missing_at_init(snap, scene.cfg.init_timeout)
-    outcome = report.Outcome.launcher_failure(
-        missing.line if missing else "a rank never reached init"
-    )
     absent = [v.rank for v in snap.ranks if v.absent]
     shown = snap.narrowed(absent) if absent else snap
-    outcome.details = places.collect(shown, False, scene.wait)[1]
-    if missing is None or not missing.missing:
-        outcome.fix = (
-            "let ddpkit run give init its world size, rank and address (init_process_group("
-            "backend) alone, or ddpkit.setup()); a script's own store or init_method='file://"
-            "...' must be the same for every rank and fresh; raise --init-timeout if init is "
-            "this slow at this scale"
-        )
-    return outcome
+    details = places.collect(shown, False, scene.wait)[1]
+    return report.Outcome.of(diagnosis.never_met(missing, details))
 
 
 COLLECTORS: dict[Verdict, Callable[[Scene], report.Outcome]] = {

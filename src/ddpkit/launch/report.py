@@ -1,33 +1,27 @@
 """What happened to a job, in a few lines: the root-cause rank, how it ended, and its last
 words (stderr tail), followed by the other ranks and where the logs are.
 
-Which rank is the root cause, and why it died, is decided in ddpkit.launch.causes (the rank
-that failed first: each rank's bootstrap writes uncaught exceptions with a timestamp to its own
-error file, so a rank whose peers died of "connection reset" is not blamed for them); this
-module writes the outcome down.
+Which rank is the root cause, why, and the fix are decided by the rules of
+ddpkit.launch.diagnosis (a `Cause`); this module writes the outcome down, once.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
-from ddpkit.launch import causes
-from ddpkit.launch.base.place import Doing, Place
+from ddpkit.launch import diagnosis
 from ddpkit.launch.base.rundir import open_private
 from ddpkit.launch.base.snapshot import Snapshot
 from ddpkit.launch.base.worker import Worker
-from ddpkit.launch.causes import describe_exit, short
-from ddpkit.launch.hang import mismatch
-from ddpkit.launch.hang.blame import Culprit
+from ddpkit.launch.causes import describe_exit
+from ddpkit.launch.diagnosis import HANG_EXIT_CODE, Cause, Kind
 from ddpkit.launch.peers.liveness import Abort
-
-HANG_EXIT_CODE = 124  # as GNU timeout's
 
 
 @dataclass
@@ -46,6 +40,7 @@ class Outcome:
     grace: float = 0.0  # seconds the ranks were given to end after the launcher's signal
     fix: str = ""  # what the user can do, when ddpkit knows
     victims: list[int] | None = None  # ranks that failed only because of the root cause
+    kind: Kind | None = None  # the diagnosis's row, when it named the cause
     title: str = ""  # 'the job failed', once finalized
     lines: list[str] = field(default_factory=list)  # the report's lines under its title
 
@@ -64,29 +59,19 @@ class Outcome:
         )
 
     @classmethod
-    def hang(
-        cls, summary: str, details: str, timeout: float, places: Iterable[Place] = ()
-    ) -> Outcome:
-        """The hang report; `places`: where the ranks are, for the advice that fits them."""
-        doing = {(p.doing, p.code) for p in places}
-        advice = (
-            f"if a rank legitimately waits this long (a download, a long first step), "
-            f"raise --hang-timeout (now {timeout:g} s); --hang-timeout 0 turns the watch off"
+    def of(cls, cause: Cause) -> Outcome:
+        """A failure, a hang or ranks that never met, as ddpkit.launch.diagnosis named it."""
+        return cls(
+            ok=False,
+            exit_code=cause.exit_code,
+            summary=cause.summary,
+            root_rank=cause.rank,
+            details=cause.details,
+            victim=cause.victim,
+            fix=cause.fix,
+            victims=list(cause.victims) or None,
+            kind=cause.kind,
         )
-        if any(d is Doing.WAITS_FOR_GPU for d, _ in doing):
-            advice = (
-                "a GPU kernel never finished: a custom kernel that deadlocks or spins on a flag "
-                "that never comes, an out-of-bounds index in a kernel, or a wedged GPU "
-                "(nvidia-smi; the kernel log's Xid errors: dmesg | grep -i xid); "
-                "CUDA_LAUNCH_BLOCKING=1 names the kernel; " + advice
-            )
-        if (Doing.EXITED, 0) in doing:
-            advice = (
-                "a rank ended while the others still wait for it: the ranks ran different "
-                "numbers of steps (uneven inputs); give every rank the same number of batches "
-                "(s.loader, DistributedSampler(drop_last=True), or torch's Join); " + advice
-            )
-        return cls(ok=False, exit_code=HANG_EXIT_CODE, summary=summary, details=details, fix=advice)
 
     @classmethod
     def launcher_failure(cls, summary: str) -> Outcome:
@@ -110,38 +95,6 @@ class Outcome:
             membership=abort.membership,
         )
 
-    @classmethod
-    def rank_failed(
-        cls,
-        snap: Snapshot,
-        oom: causes.OomWatch | None = None,
-        growth: Callable[[int], str | None] | None = None,
-    ) -> Outcome:
-        """The root cause among the ranks that exited non-zero in `snap`
-        (ddpkit.launch.causes.root_cause)."""
-        cause = causes.root_cause(snap, oom, growth)
-        return cls(
-            ok=False,
-            exit_code=cause.exit_code,
-            summary=cause.summary,
-            root_rank=cause.rank,
-            victim=cause.victim,
-            fix=cause.fix,
-        )
-
-    def blame(self, culprit: Culprit, snap: Snapshot) -> None:
-        """The first failure was a rank that waited; `culprit` is the rank it waited for: it
-        becomes the root cause, and the failed ranks its victims."""
-        self.summary, self.fix = culprit.summary, culprit.fix
-        self.root_rank, self.victims, self.victim = culprit.rank, culprit.victims, False
-        lines = []
-        for rank in culprit.victims:
-            error = snap.of(rank).error
-            if error is not None:
-                message = error.message.strip().splitlines()[-1] if error.message else ""
-                lines.append(f"  victim: rank {rank}: {error.type}: {short(message)}")
-        self.details = "\n".join(lines)
-
     def finalize(
         self, workers: list[Worker], snap: Snapshot, run_dir: Path, roots: Sequence[Path] = ()
     ) -> None:
@@ -150,10 +103,10 @@ class Outcome:
         branch of a collective mismatch)."""
         if self.ok:
             return
-        differ = collective_mismatch(workers, snap)
-        if differ:
-            self.summary = f"{differ.line} (first reported: {self.summary})"
-            self.fix = mismatch.fix_line(differ, [*roots, Path.cwd()])
+        said = [line for w in workers for line in w.output.last_lines]
+        refined = diagnosis.after_the_end(self.summary, said, snap, [*roots, Path.cwd()])
+        if refined is not None:
+            self.summary, self.fix = refined
         if self.interrupted and self.from_node is None:
             self.summary = (
                 f"{self.summary}, forwarded to every rank: {how_ranks_ended(workers, self.grace)}"
@@ -242,33 +195,3 @@ def how_ranks_ended(workers: list[Worker], grace: float) -> str:
             what = what.replace("its own", "their own").replace("in its log", "in their logs")
         parts.append(f"rank{'s' if plural else ''} {ranks_text(ranks)} {what}")
     return "; ".join(parts)
-
-
-MISMATCH_WORDS = (
-    "mismatch between collectives",
-    "collective mismatch",
-    "Received data size doesn't match",
-    "op.preamble.length <= op.nbytes",  # gloo before torch 2.5: sizes differ across ranks
-)
-
-
-def collective_mismatch(workers: list[Worker], snap: Snapshot) -> mismatch.Mismatch | None:
-    """When torch or gloo says collectives differ, which rank called what, from where (from
-    each rank's progress record), instead of a wall of fingerprints."""
-    said = [line for w in workers for line in w.output.last_lines]
-    if not any(word in line for line in said for word in MISMATCH_WORDS):
-        return None
-    calls = []
-    for v in snap.ranks:
-        record = v.record
-        if record is not None and record.op:
-            calls.append(mismatch.Call(v.rank, record.op, record.site, record.shapes))
-    found = mismatch.find(calls)
-    if found is not None:
-        return found
-    text = "; ".join(f"rank {c.rank} called {c.op} with shape {c.shapes} ({c.site})" for c in calls)
-    return mismatch.Mismatch(
-        "the ranks called different collectives" + (f": {text}" if text else ""),
-        [],
-        [c.site for c in calls],
-    )

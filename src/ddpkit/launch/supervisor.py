@@ -56,6 +56,7 @@ from ddpkit.launch.base.output import CONSOLE
 from ddpkit.launch.base.snapshot import Reader, Snapshot
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.base.worker import Signals, Worker
+from ddpkit.launch.diagnosis import HANG_EXIT_CODE
 from ddpkit.launch.hang import places
 from ddpkit.launch.hang.progress_watch import HangWatch
 from ddpkit.launch.lifecycle import Events, Phase, State
@@ -64,7 +65,6 @@ from ddpkit.launch.peers.liveness import Abort
 from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.peers.peers import Peers, peers_of
 from ddpkit.launch.peers.rounds import join
-from ddpkit.launch.report import HANG_EXIT_CODE
 from ddpkit.launch.spares import Spares
 from ddpkit.launch.speed.step_watch import SpeedWatch
 from ddpkit.launch.workers import (

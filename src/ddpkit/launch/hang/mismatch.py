@@ -13,12 +13,13 @@ from __future__ import annotations
 import ast
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.common.branches import names_a_rank
 from ddpkit.common.ranges import ranks_text
+from ddpkit.launch.base.snapshot import Snapshot
 
 
 @dataclass(frozen=True)
@@ -131,3 +132,32 @@ def _locate(name: str, roots: tuple[Path, ...]) -> Path | None:
         if os.path.basename(str(root)) == name and root.is_file():
             return root
     return None
+
+
+MISMATCH_WORDS = (
+    "mismatch between collectives",
+    "collective mismatch",
+    "Received data size doesn't match",
+    "op.preamble.length <= op.nbytes",  # gloo before torch 2.5: sizes differ across ranks
+)
+
+
+def said_to_differ(said: Sequence[str], snap: Snapshot) -> Mismatch | None:
+    """When torch or gloo says collectives differ, which rank called what, from where (each
+    rank's progress record), instead of a wall of fingerprints."""
+    if not any(word in line for line in said for word in MISMATCH_WORDS):
+        return None
+    calls = [
+        Call(v.rank, v.record.op, v.record.site, v.record.shapes)
+        for v in snap.ranks
+        if v.record is not None and v.record.op
+    ]
+    found = find(calls)
+    if found is not None:
+        return found
+    text = "; ".join(f"rank {c.rank} called {c.op} with shape {c.shapes} ({c.site})" for c in calls)
+    return Mismatch(
+        "the ranks called different collectives" + (f": {text}" if text else ""),
+        [],
+        [c.site for c in calls],
+    )
