@@ -308,14 +308,12 @@ def test_a_gpu_rank_with_nccls_kernel_started_waits_in_the_collective_not_for_it
 
 
 def watch_with_quiet(quiet: dict[int, float], now: float = 1000.0):
-    from pathlib import Path
+    from ddpkit.launch.hang.progress_watch import RankState, Watch, _long_wait
 
-    from ddpkit.launch.hang.progress_watch import HangWatch, RankState
-
-    watch = HangWatch(Path("/nonexistent"), timeout=4.0, peers=None)  # peers: not consulted
-    watch.ranks = {r: RankState(last_progress=now - q) for r, q in quiet.items()}
-    watch._watch_waits(now)
-    return watch.waits
+    watch = Watch(
+        timeout=4.0, ranks={r: RankState(last_progress=now - q) for r, q in quiet.items()}
+    )
+    return _long_wait(watch, now, wall=now)
 
 
 def test_a_long_wait_names_every_waiting_rank_not_only_the_first_past_the_threshold():
@@ -334,11 +332,8 @@ def test_no_long_wait_is_said_before_one_rank_waited_the_threshold():
 def stalled_job(ticked_ago: float, now: float = 1000.0, held_since: float = 0.0):
     """Ranks 0 and 2 wait in all_reduce; rank 1's tick is `ticked_ago` s old. No rank has
     made progress for 6 s against a hang timeout of 4 s; the verdict held since `held_since`."""
-    from pathlib import Path
-
     from ddpkit.launch.base.snapshot import RankView, Snapshot
-    from ddpkit.launch.hang.progress_watch import HangWatch, RankState
-    from ddpkit.launch.peers.peers import NoPeers
+    from ddpkit.launch.hang.progress_watch import RankState, Seen, Watch, judge
 
     waiting = protocol.Record(1, 0, now - 6, True, "all_reduce", ticked=now)
     views = tuple(
@@ -346,14 +341,16 @@ def stalled_job(ticked_ago: float, now: float = 1000.0, held_since: float = 0.0)
                  record=protocol.Record(ticked=now - ticked_ago) if r == 1 else waiting)
         for r in range(3)
     )  # fmt: skip
-    watch = HangWatch(Path("/nonexistent"), timeout=4.0, peers=NoPeers())
-    watch.next_flight = float("inf")  # no flight recorder to ask
-    watch.ranks = {
-        v.rank: RankState(cpu=1.0, io=0, record=v.record, last_progress=now - 6) for v in views
-    }
-    watch.last_sample = now - 1
-    watch.held_since = held_since
-    return watch.hung(Snapshot(views, wall=now, mono=now, sampled=True))
+    watch = Watch(
+        timeout=4.0,
+        ranks={
+            v.rank: RankState(cpu=1.0, io=0, record=v.record, last_progress=now - 6) for v in views
+        },
+        last_sample=now - 1,
+        next_flight=float("inf"),  # no flight recorder to ask
+        held_since=held_since,
+    )
+    return judge(watch, Snapshot(views, wall=now, mono=now, sampled=True), Seen())[1].hung
 
 
 @pytest.mark.parametrize("ticked_ago", [2.0, 4.0, 5.0])
@@ -415,3 +412,48 @@ def test_several_ranks_in_one_place_are_said_with_a_plural_verb():
         verdict({0: stuck, 1: stuck}) == "ranks 0,1 hold the GIL in C code for 6 s: match (t.py:3)"
     )
     assert verdict({2: Place(Doing.EXITED, code=0)}) == "rank 2 has exited (code 0)"
+
+
+# -- the watch is a step function: (state, snapshot, what the edge read) -> (state, finding) ----
+
+
+def looks(seconds: int, seen=None, timeout: float = 4.0):
+    """Three ranks waiting in all_reduce, looked at once a second: each look's finding."""
+    from ddpkit.launch.base.snapshot import RankView, Snapshot
+    from ddpkit.launch.hang.progress_watch import Seen, Watch, judge
+
+    waiting = protocol.Record(1, 0, 990.0, True, "all_reduce")
+    watch, found = Watch(timeout=timeout), []
+    for t in range(seconds):
+        views = tuple(RankView(r, 100 + r, cpu=1.0, io=0, record=waiting) for r in range(3))
+        snap = Snapshot(views, wall=1000.0 + t, mono=1000.0 + t, sampled=True)
+        watch, finding = judge(watch, snap, seen or Seen())
+        found.append(finding)
+    return found
+
+
+def test_the_hang_watch_finds_a_hang_once_no_rank_progressed_for_its_timeout():
+    found = looks(7)
+    assert [f.hung for f in found] == [False] * 4 + [True] * 3  # seen at 0 s, hung from 4 s
+    assert found[-1].stall == 6
+
+
+def test_another_nodes_progress_keeps_the_hang_watch_from_a_verdict():
+    from ddpkit.launch.hang.progress_watch import Seen
+
+    assert not any(f.hung for f in looks(7, Seen(remote_progress=1005.0)))
+
+
+def test_a_judged_state_is_a_new_value_the_old_one_unchanged():
+    from ddpkit.launch.base.snapshot import RankView, Snapshot
+    from ddpkit.launch.hang.progress_watch import RankState, Seen, Watch, judge
+
+    before = Watch(timeout=4.0, ranks={0: RankState(cpu=0.0, io=0, last_progress=990.0)})
+    snap = Snapshot(
+        (RankView(0, 100, cpu=5.0, io=0, answers=True),), wall=1000.0, mono=1000.0, sampled=True
+    )
+    after, finding = judge(before, snap, Seen())
+    assert before.ranks[0].last_progress == 990.0
+    assert after.ranks[0].last_progress == 1000.0, "5 CPU-s in a second: busy"
+    assert finding.progressed
+    assert finding.ask_flight == (0,), "the edge asks its flight recorder for the next poll"

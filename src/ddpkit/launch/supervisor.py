@@ -57,8 +57,8 @@ from ddpkit.launch.base.snapshot import Reader, Snapshot
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.base.worker import Signals, Worker
 from ddpkit.launch.diagnosis import HANG_EXIT_CODE
-from ddpkit.launch.hang import places
-from ddpkit.launch.hang.progress_watch import HangWatch
+from ddpkit.launch.hang import places, watching
+from ddpkit.launch.hang.progress_watch import Waits, Watch
 from ddpkit.launch.lifecycle import Events, Phase, State
 from ddpkit.launch.peers import crossnode, profile_relay
 from ddpkit.launch.peers.liveness import Abort
@@ -108,9 +108,11 @@ class Running:
 
     scene: outcomes.Scene
     state_dir: Path
-    hangs: HangWatch
+    hangs: Watch
     speed: SpeedWatch
     outcome: report.Outcome | None = None
+    notes: list[str] = field(default_factory=list)  # the hang watch's, to be said
+    waits: Waits | None = None  # a long wait the hang watch found, to be described
     ended: Snapshot | None = None  # the ranks as they ended
     begun: tuple[int, int] = (0, 0)  # (attempt, rounds) of its Start
     profile_looked: float = 0.0  # monotonic time --profile-steps' recording was last looked for
@@ -226,9 +228,7 @@ def _look(job: Job, running: Running | None, state: State) -> tuple[Snapshot, Ev
     snap = running.scene.look(steps=None, usage=None)
     peers = running.scene.peers
     watching = state.phase is Phase.RUNNING
-    hung = watching and running.hangs.hung(snap)
-    if hung:
-        running.scene.stall = running.hangs.stalled_for(now)
+    hung = watching and _watch_hangs(running, snap)
     return snap, Events(
         now=now,
         signal=signal_,
@@ -239,8 +239,19 @@ def _look(job: Job, running: Running | None, state: State) -> tuple[Snapshot, Ev
         init_timeout=job.cfg.init_timeout,
         peer_wait=job.cfg.node_timeout + 1.0 if job.node.multi_node else 0.0,
         hang_asked=watching and peers.hang_asked(),
-        long_wait=running.hangs.waits is not None,
+        long_wait=running.waits is not None,
     )
+
+
+def _watch_hangs(running: Running, snap: Snapshot) -> bool:
+    """The hang watch's look (ddpkit.launch.hang.watching); whether the job hangs."""
+    peers = running.scene.peers
+    running.hangs, found = watching.look(running.hangs, snap, running.state_dir, peers)
+    running.notes.extend(found.notes)
+    running.waits = found.waits or running.waits
+    if found.hung:
+        running.scene.stall = found.stall
+    return found.hung
 
 
 def _start(job: Job, action: lifecycle.Start) -> Running:
@@ -257,7 +268,7 @@ def _start(job: Job, action: lifecycle.Start) -> Running:
     scene = outcomes.Scene(
         cfg, job.signals, workers, Reader(state_dir), peers, speed.memory.growth, speed.take
     )
-    running = Running(scene, state_dir, HangWatch(state_dir, cfg.hang_timeout, peers), speed)
+    running = Running(scene, state_dir, Watch(cfg.hang_timeout), speed)
     running.begun = (action.attempt, action.rounds)
     job.running = running  # stopped by drive() should anything below raise
     for local_rank in range(cfg.nproc_per_node):
@@ -283,7 +294,7 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
     if isinstance(action, lifecycle.AnswerPlaces):  # node 0 asks where this node's ranks are
         running.scene.peers.answer_places(*places.collect(snap, wait=job.wait))
     elif isinstance(action, lifecycle.DescribeWait):
-        waits, running.hangs.waits = running.hangs.waits, None
+        waits, running.waits = running.waits, None
         if waits is not None:
             _say(places.long_wait_note(snap, waits.waiting, waits.working, waits.began, job.wait))
     elif isinstance(action, lifecycle.Watch):
@@ -293,8 +304,8 @@ def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -
             if line is not None:
                 job.failure = None
                 _say(line)
-        while running.hangs.notes:
-            _say(running.hangs.notes.pop(0))
+        while running.notes:
+            _say(running.notes.pop(0))
         _say_profile(job, running, at_end=False)
         pids = {w.rank: w.proc.pid for w in running.workers}
         profile_relay.take(job.run_dir, job.node, running.scene.peers, running.state_dir, pids)

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 from ddpkit.common import protocol
 from ddpkit.launch.base.snapshot import RankView, Snapshot
-from ddpkit.launch.hang import flight_dumps, places
+from ddpkit.launch.hang import flight_dumps
 from ddpkit.launch.hang.places import GIL_STALE
-from ddpkit.launch.peers.peers import Peers
 
 log = logging.getLogger(__name__)
 
@@ -59,165 +57,188 @@ class Waits:
     began: float
 
 
-class HangWatch:
-    """Judges every sampled snapshot (once a second); `hung()` says when no rank progressed
-    for `timeout`."""
+@dataclass(frozen=True)
+class Seen:
+    """What the edge read for one look besides the snapshot: the flight recorders' answers
+    (when a poll was due), the ranks that wait for their GPU (NVML), the other nodes' last
+    progress (monotonic; None with one node) and whether this node decides."""
 
-    def __init__(self, state_dir: Path, timeout: float, peers: Peers) -> None:
-        self.state_dir = state_dir  # where the flight recorders are asked and answer
-        self.timeout = timeout
-        self.ranks: dict[int, RankState] = {}
-        self.last_sample = 0.0  # monotonic time of the last sampled snapshot judged
-        self.next_flight = 0.0
-        # progress is told to the peers (the other nodes), and only the leading node (node 0,
-        # or the only one) decides, from every node's progress
-        self.peers = peers
-        self.notes: list[str] = []  # what the watch saw that the user should know (printed)
-        self.waits: Waits | None = None  # a long wait for a working rank, to be described
-        self.said_wait = False
-        self.group: tuple[str, float] | None = None  # the process group's, once known
-        self.held_since = 0.0  # monotonic time a hang verdict was first held for a late tick
+    flight: dict[int, flight_dumps.Dump | None] = field(default_factory=dict)
+    on_gpu: frozenset[int] = frozenset()
+    remote_progress: float | None = None
+    leads: bool = True
 
-    def hung(self, snap: Snapshot) -> bool:
-        if self.timeout <= 0 or not snap.sampled:
-            return False
-        now = snap.mono
-        interval = now - self.last_sample if self.last_sample else SAMPLE_EVERY
-        self.last_sample = now
-        self.group = self.group or snap.group()
-        for v in snap.ranks:
-            self.ranks.setdefault(v.rank, RankState())
-        if now >= self.next_flight:
-            self.next_flight = now + FLIGHT_EVERY
-            self._poll_flight_recorders(snap)
-        for v in snap.ranks:
-            state = self.ranks[v.rank]
-            record = v.record
-            cpu, io = (v.cpu, v.io) if v.alive else (state.cpu, state.io)
-            previous = state.record
-            advanced = record is not None and (
-                previous is None
-                or record.finished != previous.finished
-                or record.beats != previous.beats
-            )
-            inside = (record is not None and record.in_collective) or state.stuck_in_nccl
-            # CPU burnt while C code holds the GIL (no Python thread runs) is no progress, nor
-            # CPU spun in CUDA's wait for a GPU that never finishes
-            held = holds_gil(v, snap.wall)
-            on_gpu = v.alive and places.gpu_wait(record) is not None
-            busy = (
-                state.cpu >= 0
-                and not inside
-                and not held
-                and not on_gpu
-                and cpu - state.cpu >= BUSY_SHARE * interval
-            )
-            moved = io - state.io if state.io >= 0 else 0
-            prompt = record is not None and record.prompt and v.alive
-            if prompt:  # a person is debugging this rank: the job waits for them, not hung
-                self._say_prompt(v)
-            state.said_prompt = state.said_prompt and prompt
-            if advanced or busy or prompt:
-                state.last_progress = state.last_compute = now
-                state.io_since, state.said_io = 0, False
-            elif moved >= IO_BYTES_PER_S * interval:  # a download, a dataset being written
-                state.last_progress = now
-                state.io_since += moved
-                self._say_io(v.rank, state, now)
-            state.cpu, state.io, state.record = cpu, io, record
-        if any(s.last_progress >= now for s in self.ranks.values()):
-            self.peers.progressed()
-        if self.peers.leads and self.stalled_for(now) >= self.timeout:
-            late = [v.rank for v in snap.running if tick_undecided(v, snap.wall)]
-            self.held_since = self.held_since or now
-            # held until a later look says whether C code holds their GIL; bounded, should a
-            # starved machine keep a tick late without end
-            if late and now - self.held_since < GIL_STALE - TICK_LATE:
-                log.debug("stalled, but rank(s) %s tick late, not yet decisively: held", late)
-                return False
-            log.debug("no rank made progress for %.0f s: hung", self.stalled_for(now))
-            return True
-        self.held_since = 0.0
-        self._watch_waits(now)  # this node's ranks, on every node
-        return False
 
-    def _watch_waits(self, now: float) -> None:
-        """Once per episode: some ranks have made no progress for the wait threshold while
-        another works. Not a hang; the supervisor says who waits for whom (`waits`)."""
-        quiet = {r: now - s.last_progress for r, s in self.ranks.items()}
-        working = [r for r, q in quiet.items() if q <= 2 * SAMPLE_EVERY]
-        if len(working) == len(quiet):
-            self.said_wait = False  # everyone moves again: a new episode may be said
-            return
-        if max(quiet.values()) < self._wait_threshold():
-            return
-        # every rank not working waits, though some came to the wait a sample or two later
-        # (a busy machine): named once, all of them, not only the first to pass the threshold
-        waiting = [r for r in quiet if r not in working]
-        debugged = any(self.ranks[r].said_prompt for r in working)  # said with the prompt
-        if waiting and working and not debugged and not self.said_wait and self.waits is None:
-            self.said_wait = True
-            began = time.time() - max(quiet[r] for r in waiting)
-            self.waits = Waits(sorted(waiting), sorted(working), began)
-            log.debug("ranks %s wait while ranks %s work: a long wait", waiting, working)
+@dataclass(frozen=True)
+class Finding:
+    """What one look found, and what the edge is to do about it."""
 
-    def _wait_threshold(self) -> float:
-        """--hang-timeout, or half the process group's timeout when that is shorter, so the
-        note comes before the group's own timeout ends the job."""
-        if self.group is None:
-            return self.timeout
-        return min(self.timeout, self.group[1] / 2)
+    hung: bool = False
+    stall: float = 0.0  # seconds no rank made progress (every node's)
+    progressed: bool = False  # a rank of this node made progress: tell the other nodes
+    notes: tuple[str, ...] = ()  # what the user should know (said by the edge)
+    waits: Waits | None = None  # a long wait for a working rank, to be described
+    ask_flight: tuple[int, ...] = ()  # ranks whose flight recorders to ask for the next poll
 
-    def _say_io(self, rank: int, state: RankState, now: float) -> None:
-        """Once per stretch: a rank kept alive only by its I/O, where the watch would have
-        called the job hung."""
-        quiet = now - state.last_compute
-        if quiet >= self.timeout and not state.said_io:
-            state.said_io = True
-            self.notes.append(
-                f"rank {rank} has done no collective for {quiet:.0f} s but its process tree "
-                f"read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
-            )
 
-    def _say_prompt(self, view: RankView) -> None:
-        state = self.ranks[view.rank]
-        if state.said_prompt:
-            return
-        state.said_prompt = True
-        group = view.group or self.group
-        ends = f" ({group[0]}, {group[1]:g} s)" if group else ""
-        self.notes.append(
-            f"rank {view.rank} is at a debugger prompt (pdb): not a hang; the hang watch leaves "
-            f"the job alone while it is there and the other ranks wait for it (the process "
-            f"group's timeout{ends} still ends the job if the session outlasts it)"
+@dataclass
+class Watch:
+    """The hang watch's state between looks."""
+
+    timeout: float
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    last_sample: float = 0.0  # monotonic time of the last sampled snapshot judged
+    next_flight: float = 0.0
+    said_wait: bool = False
+    group: tuple[str, float] | None = None  # the process group's, once known
+    held_since: float = 0.0  # monotonic time a hang verdict was first held for a late tick
+
+    def flight_due(self, snap: Snapshot) -> bool:
+        return self.timeout > 0 and snap.sampled and snap.mono >= self.next_flight
+
+    def copy(self) -> Watch:
+        return replace(self, ranks={r: replace(s) for r, s in self.ranks.items()})
+
+
+def judge(before: Watch, snap: Snapshot, seen: Seen) -> tuple[Watch, Finding]:
+    """The watch's step function: the next state and what this look found. No I/O and no
+    clock: the times come in the snapshot, the rest in `seen`."""
+    if before.timeout <= 0 or not snap.sampled:
+        return before, Finding()
+    watch, notes = before.copy(), []
+    now = snap.mono
+    interval = now - watch.last_sample if watch.last_sample else SAMPLE_EVERY
+    watch.last_sample = now
+    watch.group = watch.group or snap.group()
+    for v in snap.ranks:
+        watch.ranks.setdefault(v.rank, RankState(last_progress=now, last_compute=now))
+    ask: tuple[int, ...] = ()
+    if now >= watch.next_flight:
+        watch.next_flight = now + FLIGHT_EVERY
+        ask = _read_flight_recorders(watch, snap, seen)
+    for v in snap.ranks:
+        state = watch.ranks[v.rank]
+        record = v.record
+        cpu, io = (v.cpu, v.io) if v.alive else (state.cpu, state.io)
+        previous = state.record
+        advanced = record is not None and (
+            previous is None
+            or record.finished != previous.finished
+            or record.beats != previous.beats
         )
+        inside = (record is not None and record.in_collective) or state.stuck_in_nccl
+        # CPU burnt while C code holds the GIL (no Python thread runs) is no progress, nor
+        # CPU spun in CUDA's wait for a GPU that never finishes
+        held = holds_gil(v, snap.wall)
+        on_gpu = v.alive and v.rank in seen.on_gpu
+        busy = (
+            state.cpu >= 0
+            and not inside
+            and not held
+            and not on_gpu
+            and cpu - state.cpu >= BUSY_SHARE * interval
+        )
+        moved = io - state.io if state.io >= 0 else 0
+        prompt = record is not None and record.prompt and v.alive
+        if prompt and not state.said_prompt:  # a person debugs this rank: the job waits for them
+            state.said_prompt = True
+            notes.append(_prompt_note(v, v.group or watch.group))
+        state.said_prompt = state.said_prompt and prompt
+        if advanced or busy or prompt:
+            state.last_progress = state.last_compute = now
+            state.io_since, state.said_io = 0, False
+        elif moved >= IO_BYTES_PER_S * interval:  # a download, a dataset being written
+            state.last_progress = now
+            state.io_since += moved
+            quiet = now - state.last_compute
+            if quiet >= watch.timeout and not state.said_io:  # once per stretch
+                state.said_io = True
+                notes.append(
+                    f"rank {v.rank} has done no collective for {quiet:.0f} s but its process tree "
+                    f"read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
+                )
+        state.cpu, state.io, state.record = cpu, io, record
+    progressed = any(s.last_progress >= now for s in watch.ranks.values())
+    stall = stalled_for(watch, now, seen.remote_progress)
+    found = Finding(stall=stall, progressed=progressed, notes=tuple(notes), ask_flight=ask)
+    if seen.leads and stall >= watch.timeout:
+        late = [v.rank for v in snap.running if tick_undecided(v, snap.wall)]
+        watch.held_since = watch.held_since or now
+        # held until a later look says whether C code holds their GIL; bounded, should a
+        # starved machine keep a tick late without end
+        if late and now - watch.held_since < GIL_STALE - TICK_LATE:
+            log.debug("stalled, but rank(s) %s tick late, not yet decisively: held", late)
+            return watch, found
+        log.debug("no rank made progress for %.0f s: hung", stall)
+        return watch, replace(found, hung=True)
+    watch.held_since = 0.0
+    return watch, replace(found, waits=_long_wait(watch, now, snap.wall))  # on every node
 
-    def _local_stall(self, now: float) -> float:
-        return min((now - s.last_progress for s in self.ranks.values()), default=0.0)
 
-    def _poll_flight_recorders(self, snap: Snapshot) -> None:
-        """NCCL calls return at once and the rank then spins at its next sync, so CPU time
-        says nothing: completed sequence numbers advancing is progress, and the same
-        collective pending at two polls in a row means the rank is waiting in it."""
-        for v in snap.running:
-            if not v.answers:
-                continue
-            state = self.ranks[v.rank]
-            dump = flight_dumps.answer(self.state_dir, v.rank)
-            if dump is not None:
-                seen = flight_dumps.progress_state(dump)
-                if state.nccl is not None and seen[0] > state.nccl[0]:
-                    state.last_progress = snap.mono
-                if state.backend is None and v.group is not None:
-                    state.backend = v.group[0]
-                state.stuck_in_nccl = waits_in_flight(state.backend, state.nccl, seen)
-                state.nccl = seen
-            flight_dumps.ask(self.state_dir, v.rank)
+def _long_wait(watch: Watch, now: float, wall: float) -> Waits | None:
+    """Once per episode: some ranks have made no progress for the wait threshold while
+    another works. Not a hang; the edge says who waits for whom."""
+    quiet = {r: now - s.last_progress for r, s in watch.ranks.items()}
+    working = [r for r, q in quiet.items() if q <= 2 * SAMPLE_EVERY]
+    if len(working) == len(quiet):
+        watch.said_wait = False  # everyone moves again: a new episode may be said
+        return None
+    if max(quiet.values()) < _wait_threshold(watch):
+        return None
+    # every rank not working waits, though some came to the wait a sample or two later
+    # (a busy machine): named once, all of them, not only the first to pass the threshold
+    waiting = [r for r in quiet if r not in working]
+    debugged = any(watch.ranks[r].said_prompt for r in working)  # said with the prompt
+    if not waiting or not working or debugged or watch.said_wait:
+        return None
+    watch.said_wait = True
+    log.debug("ranks %s wait while ranks %s work: a long wait", waiting, working)
+    return Waits(sorted(waiting), sorted(working), wall - max(quiet[r] for r in waiting))
 
-    def stalled_for(self, now: float) -> float:
-        local = self._local_stall(now)
-        remote = self.peers.last_remote_progress()  # None: no other node
-        return local if remote is None else min(local, now - remote)
+
+def _wait_threshold(watch: Watch) -> float:
+    """--hang-timeout, or half the process group's timeout when that is shorter, so the note
+    comes before the group's own timeout ends the job."""
+    if watch.group is None:
+        return watch.timeout
+    return min(watch.timeout, watch.group[1] / 2)
+
+
+def _prompt_note(view: RankView, group: tuple[str, float] | None) -> str:
+    ends = f" ({group[0]}, {group[1]:g} s)" if group else ""
+    return (
+        f"rank {view.rank} is at a debugger prompt (pdb): not a hang; the hang watch leaves "
+        f"the job alone while it is there and the other ranks wait for it (the process "
+        f"group's timeout{ends} still ends the job if the session outlasts it)"
+    )
+
+
+def _read_flight_recorders(watch: Watch, snap: Snapshot, seen: Seen) -> tuple[int, ...]:
+    """NCCL calls return at once and the rank then spins at its next sync, so CPU time says
+    nothing: completed sequence numbers advancing is progress, and the same collective pending
+    at two polls in a row means the rank is waiting in it. The ranks to ask again."""
+    asked = []
+    for v in snap.running:
+        if not v.answers:
+            continue
+        state = watch.ranks[v.rank]
+        dump = seen.flight.get(v.rank)
+        if dump is not None:
+            done = flight_dumps.progress_state(dump)
+            if state.nccl is not None and done[0] > state.nccl[0]:
+                state.last_progress = snap.mono
+            if state.backend is None and v.group is not None:
+                state.backend = v.group[0]
+            state.stuck_in_nccl = waits_in_flight(state.backend, state.nccl, done)
+            state.nccl = done
+        asked.append(v.rank)
+    return tuple(asked)
+
+
+def stalled_for(watch: Watch, now: float, remote: float | None) -> float:
+    """Seconds no rank made progress: this node's, and the other nodes' when there are."""
+    local = min((now - s.last_progress for s in watch.ranks.values()), default=0.0)
+    return local if remote is None else min(local, now - remote)
 
 
 def waits_in_flight(
