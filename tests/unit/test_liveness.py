@@ -136,3 +136,39 @@ def test_a_forged_abort_record_is_ignored_and_said_once(server, monkeypatch, cap
     watcher.stop()
     assert watcher.abort is None
     logging.getLogger("ddpkit").handlers.clear()  # the handler holds this test's stderr
+
+
+def test_each_features_channel_rides_the_beats_with_keys_of_its_own(server):
+    # the hang doctor's ask, the speed doctor's summaries and `ddpkit profile`'s plan, between
+    # two nodes' beat threads over a real store: Liveness knows none of their keys
+    from ddpkit.launch.hang import across_nodes
+    from ddpkit.launch.peers.peers import NodePeers
+    from ddpkit.launch.peers.profile_relay import ASK_KEY, PlansChannel
+    from ddpkit.launch.speed import across_nodes as speed_across
+
+    peers = []
+    for r in (0, 1):
+        node = _node(r, server.port)
+        channels = (
+            across_nodes.PlacesChannel(node),
+            speed_across.SummariesChannel(node),
+            PlansChannel(),
+        )
+        peers.append(NodePeers(node, Liveness(node, TIMEOUT, channels=channels)))
+    for p in peers:
+        p.start()
+    try:
+        zero, one = peers
+        speed_across.send(one, '[{"rank": 3}]')
+        speed_across.send(zero, "node 0 sends nothing: it decides")
+        server.set("job/" + across_nodes.ASK, "1")
+        server.set("job/" + ASK_KEY, '{"id": "p1"}')
+        assert _until(lambda: speed_across.from_others(zero) == ['[{"rank": 3}]'], 10)
+        assert _until(lambda: across_nodes.asked(one), 10)
+        assert not across_nodes.asked(one), "asked once per round"
+        assert not across_nodes.asked(zero), "node 0 asks; it is not asked"
+        plans = one.channel(PlansChannel)
+        assert _until(lambda: plans.asks == ['{"id": "p1"}'], 10)
+    finally:
+        for p in peers:
+            p.live.stop()

@@ -22,7 +22,7 @@ from ddpkit.launch.base.place import Place
 from ddpkit.launch.base.snapshot import Reader, Snapshot
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.base.worker import Signals, Worker
-from ddpkit.launch.hang import mismatch, places
+from ddpkit.launch.hang import across_nodes, mismatch, places
 from ddpkit.launch.peers.liveness import BEAT, Abort
 from ddpkit.launch.peers.peers import Peers, wait_for_word
 
@@ -114,8 +114,8 @@ def hung(scene: Scene) -> report.Outcome:
     """The hang report: every rank's place (every node's, from node 0). A stop signal while it
     is collected cuts its waits short, so the launcher still ends within its grace."""
     found = places.evidence(scene.look(), wait=scene.wait)
-    every, hosts, details = scene.peers.places_everywhere(
-        found.places, found.details, scene.cfg.nproc_per_node, scene.wait
+    every, hosts, details = across_nodes.everywhere(
+        scene.peers, found.places, found.details, scene.cfg.nproc_per_node, scene.wait
     )
     if scene.signals.count:
         return interrupted(scene)

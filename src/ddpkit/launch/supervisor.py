@@ -57,15 +57,17 @@ from ddpkit.launch.base.snapshot import Reader, Snapshot
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.base.worker import Signals, Worker
 from ddpkit.launch.diagnosis import HANG_EXIT_CODE
-from ddpkit.launch.hang import places, watching
+from ddpkit.launch.hang import across_nodes, places, watching
 from ddpkit.launch.hang.progress_watch import Waits, Watch
 from ddpkit.launch.lifecycle import Events, Phase, State
 from ddpkit.launch.peers import crossnode, profile_relay
 from ddpkit.launch.peers.liveness import Abort
 from ddpkit.launch.peers.nodes import NodeGroup
 from ddpkit.launch.peers.peers import Peers, peers_of
+from ddpkit.launch.peers.profile_relay import PlansChannel
 from ddpkit.launch.peers.rounds import join
 from ddpkit.launch.spares import Spares
+from ddpkit.launch.speed.across_nodes import SummariesChannel
 from ddpkit.launch.speed.step_watch import SpeedWatch
 from ddpkit.launch.workers import (
     FORWARDED,
@@ -238,7 +240,7 @@ def _look(job: Job, running: Running | None, state: State) -> tuple[Snapshot, Ev
         hung=hung,
         init_timeout=job.cfg.init_timeout,
         peer_wait=job.cfg.node_timeout + 1.0 if job.node.multi_node else 0.0,
-        hang_asked=watching and peers.hang_asked(),
+        hang_asked=watching and across_nodes.asked(peers),
         long_wait=running.waits is not None,
     )
 
@@ -261,7 +263,10 @@ def _start(job: Job, action: lifecycle.Start) -> Running:
     state_dir.mkdir(mode=0o700)
     elastic = cfg.min_nodes < cfg.nnodes
     restarts_left = cfg.max_restarts - action.attempt
-    peers = peers_of(node, cfg.node_timeout, elastic, cfg.min_nodes * elastic, restarts_left)
+    channels = (across_nodes.PlacesChannel(node), SummariesChannel(node), PlansChannel())
+    peers = peers_of(
+        node, cfg.node_timeout, elastic, cfg.min_nodes * elastic, restarts_left, channels
+    )
     peers.start()
     workers: list[Worker] = []
     speed = SpeedWatch(job.run_dir, cfg.straggler_threshold, cfg.straggler_window, node.host, peers)
@@ -292,7 +297,7 @@ def _start(job: Job, action: lifecycle.Start) -> Running:
 def _act(job: Job, running: Running, action: lifecycle.Action, snap: Snapshot) -> None:
     """The actions of a job that goes on."""
     if isinstance(action, lifecycle.AnswerPlaces):  # node 0 asks where this node's ranks are
-        running.scene.peers.answer_places(*places.collect(snap, wait=job.wait))
+        across_nodes.answer(running.scene.peers, *places.collect(snap, wait=job.wait))
     elif isinstance(action, lifecycle.DescribeWait):
         waits, running.waits = running.waits, None
         if waits is not None:

@@ -1,5 +1,5 @@
 """What the nodes of one job do together: stop for one reason, meet again for a restart, end
-together, and say where every rank of every node is when the job stalls.
+together.
 
 All of it goes through the job's store on node 0, each call bounded. A node that fails
 publishes an `Abort` (why, the exit code for the others, whether the nodes meet again); every
@@ -12,12 +12,9 @@ vanish under it on a successful exit.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from typing import Any
 
 from ddpkit.launch.base.config import LaunchConfig
-from ddpkit.launch.base.place import Doing, Place
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.liveness import Abort, Liveness
@@ -26,7 +23,6 @@ from ddpkit.launch.peers.rounds import join_rdzv
 from ddpkit.launch.peers.store import StoreUnreachableError
 
 EXIT_BARRIER = 300.0  # as torchrun's agents wait for each other at the end
-PLACES_WAIT = 15.0  # how long node 0 waits for the other nodes' stacks in a hang
 
 
 def publish_abort(node: NodeGroup, abort: Abort, limit: float) -> None:
@@ -97,51 +93,3 @@ def next_round(cfg: LaunchConfig, node: NodeGroup) -> NodeGroup:
     if node.multi_node:  # one node has no one to meet (its rank 0 serves each round's store)
         register(node, cfg, time.monotonic() + cfg.init_timeout)
     return node
-
-
-# -- the hang watch across nodes ------------------------------------------------------------
-
-
-def ask_places(node: NodeGroup) -> None:
-    """Node 0: every node, say where your ranks are."""
-    if node.store is not None:
-        with contextlib.suppress(StoreUnreachableError):
-            node.store.set(keys.HANG_ASK, "1")
-
-
-def collect_places(
-    node: NodeGroup,
-    own: dict[int, Place],
-    own_details: str,
-    ranks_per_node: int,
-    wait: Wait,
-) -> tuple[dict[int, Place], dict[int, str] | None, str]:
-    """Node 0: every node's places, every rank's host, and the details
-    text; a node that does not answer within PLACES_WAIT is named as such."""
-    places, hosts = dict(own), dict.fromkeys(own, node.host_of(0))
-    details = [f"  node 0 ({node.host_of(0)}):", own_details]
-    assert node.store is not None
-    waiting = set(range(1, node.nnodes))
-    answers: dict[int, dict[str, Any]] = {}
-
-    def every_node_answered() -> bool:
-        for n in sorted(waiting):
-            with contextlib.suppress(StoreUnreachableError):
-                if node.store is not None and node.store.has(keys.places(n)):
-                    answers[n] = json.loads(node.store.get(keys.places(n)))
-                    waiting.discard(n)
-        return not waiting
-
-    wait.until(every_node_answered, PLACES_WAIT, poll=0.2)
-    for n in range(1, node.nnodes):
-        first = n * ranks_per_node
-        if n in answers:
-            for rank, place in answers[n]["places"].items():
-                places[int(rank)], hosts[int(rank)] = Place.from_json(place), node.host_of(n)
-            details += [f"  node {n} ({node.host_of(n)}):", answers[n]["details"]]
-        else:
-            for rank in range(first, first + ranks_per_node):
-                places[rank] = Place(Doing.NODE_SILENT)
-                hosts[rank] = node.host_of(n)
-            details.append(f"  node {n} ({node.host_of(n)}): did not say where its ranks are")
-    return places, hosts, "\n".join(details)

@@ -23,7 +23,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ddpkit.launch.base.decide import goes_on
 from ddpkit.launch.peers import keys
@@ -32,6 +34,16 @@ from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError, bound
 
 BEAT = 1.0
 log = logging.getLogger(__name__)
+
+
+class Channel(Protocol):
+    """A feature's traffic with the other nodes (the hang doctor's places, the speed doctor's
+    summaries, `ddpkit profile`'s plans), carried by the beat thread so that the launcher's
+    loop never waits on another node: at each beat the channel is handed the round's bounded
+    store, this node's number and the beat's count, reads and writes its own keys, and keeps
+    what it heard for the loop. Liveness knows no feature's keys."""
+
+    def beat(self, store: BoundedStore, node: int, beats: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,10 @@ class Liveness:
         elastic: bool = False,
         min_nodes: int = 0,
         restarts_left: int = 0,
+        channels: Sequence[Channel] = (),
     ) -> None:
         self.node = node
+        self.channels = tuple(channels)
         self.timeout = timeout
         self.elastic = elastic  # node 0 asks the rendezvous whether nodes wait to join
         # a lost node: the others go on when at least min_nodes are left and a restart is
@@ -93,7 +107,6 @@ class Liveness:
         self.lost: str | None = None  # a node is gone (set once)
         self.lost_goes_on = False  # ... and the nodes left go on without it
         self.abort: Abort | None = None  # what some node published
-        self.hang_asked = False
         self.last_remote_progress = time.monotonic()  # node 0: any other node's ranks progressed
         self.beats = 0
         self.longest_gap = 0.0  # the longest time between two answered beats (measured)
@@ -103,13 +116,6 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, daemon=True, name="ddpkit-liveness")
         self._done_nodes: set[int] = set()
         self.all_done = threading.Event()
-        # the speed doctor's traffic: this node's ranks' summaries (JSON) to send, and node 0's
-        # copy of every other node's
-        self.speed_out: str | None = None
-        self.speed_in: dict[int, str] = {}
-        # `ddpkit profile`'s plans (JSON) published by any node, newest last, for the launcher
-        self.profile_asks: list[str] = []
-        self._profile_seen: str | None = None
 
     def start(self) -> None:
         # an elastic job of one node so far still watches for nodes that want to join
@@ -145,15 +151,8 @@ class Liveness:
                     self._watch_nodes(store, seen)
                     if self.elastic and self.beats % 2 == 0:
                         self._watch_membership(store)
-                    if self.beats % 2 == 1:
-                        self._read_speed(store)
-                elif self.speed_out is not None and self.beats % 2 == 0:
-                    store.set(keys.speed(me), self.speed_out)
-                    self.speed_out = None
-                elif not self.hang_asked and store.has(keys.HANG_ASK):
-                    self.hang_asked = True
-                if store.has(keys.PROFILE_ASK):
-                    self._read_profile_ask(store)
+                for channel in self.channels:
+                    channel.beat(store, me, self.beats)
                 if self.abort is None and store.has(keys.ABORT):
                     self.abort = Abort.from_json(store.get(keys.ABORT))
                     if self.abort is None and not self._said_forged:
@@ -221,19 +220,6 @@ class Liveness:
                 except StoreUnreachableError:
                     pass
                 return
-
-    def _read_speed(self, store: BoundedStore) -> None:
-        """Node 0: the other nodes' step summaries, in one call where torch has multi_get."""
-        names = [keys.speed(n) for n in range(1, self.node.nnodes)]
-        present = [n for n in names if store.has(n)]
-        for name in present:
-            self.speed_in[int(name.split("/")[1])] = store.get(name)
-
-    def _read_profile_ask(self, store: BoundedStore) -> None:
-        text = store.get(keys.PROFILE_ASK)
-        if text != self._profile_seen:
-            self._profile_seen = text
-            self.profile_asks.append(text)
 
     def _watch_membership(self, store: BoundedStore) -> None:
         """Node 0, elastic jobs: nodes waiting at the rendezvous mean a new round for all, as

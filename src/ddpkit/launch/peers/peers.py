@@ -1,23 +1,25 @@
-"""One interface for what a node's launcher says to the job's other nodes and hears from them,
-for one round: `NodePeers` over the job's store (several nodes), `NoPeers` for a job of one
-node, where there is nobody to tell and nobody to lose. The supervisor, the hang watch and the
-speed watch talk to a `Peers` and never ask how many nodes there are.
+"""The job's other nodes for one round, as membership: who is there, who is lost and whether
+the others go on, why the job stops (an `Abort`), whether they progress, and leaving together.
+`NodePeers` over the job's store (several nodes), `NoPeers` for a job of one node, where there
+is nobody to tell and nobody to lose.
+
+A feature that talks to the other nodes (the hang doctor's places, the speed doctor's
+summaries, `ddpkit profile`'s plans) owns its keys and its traffic in a `Channel` of its own
+module, carried by the beat thread; `channel(kind)` finds it (None with one node). Adding one
+changes nothing here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
-from ddpkit.launch.base.place import Place
 from ddpkit.launch.base.wait import Wait
-from ddpkit.launch.peers import crossnode, keys
-from ddpkit.launch.peers.liveness import Abort, Liveness
+from ddpkit.launch.peers import crossnode
+from ddpkit.launch.peers.liveness import Abort, Channel, Liveness
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
-from ddpkit.launch.peers.store import StoreUnreachableError
 
-Places = dict[int, Place]
+Kind = TypeVar("Kind")
 
 
 class Peers(Protocol):
@@ -28,17 +30,10 @@ class Peers(Protocol):
     def word(self) -> Abort | None: ...  # another node stopped the job (or nodes join)
     def lost(self) -> str | None: ...  # another node is gone (or node 0, to this one)
     def lost_goes_on(self) -> bool: ...  # ... and the nodes left go on (--nnodes MIN:MAX)
-    def hang_asked(self) -> bool: ...  # node 0 asks where this node's ranks are
     def progressed(self) -> None: ...  # a rank of this node made progress
     def last_remote_progress(self) -> float | None: ...  # any other node's, monotonic
     def publish_abort(self, abort: Abort, hurry: bool) -> None: ...
-    def answer_places(self, places: Places, details: str) -> None: ...
-    def places_everywhere(
-        self, own: Places, details: str, ranks_per_node: int, wait: Wait
-    ) -> tuple[Places, dict[int, str] | None, str]: ...
-    def send_speed(self, summaries: str) -> None: ...
-    def speed_from_others(self) -> list[str]: ...
-    def profile_asked(self) -> str | None: ...  # a `ddpkit profile` plan (JSON), once each
+    def channel(self, kind: type[Kind]) -> Kind | None: ...  # a feature's, None: one node
     def leave(self, seconds: float, hurry: bool) -> None: ...
     def finish(self) -> None: ...
     def debug_line(self) -> str: ...
@@ -62,9 +57,6 @@ class NoPeers:
     def lost_goes_on(self) -> bool:
         return False
 
-    def hang_asked(self) -> bool:
-        return False
-
     def progressed(self) -> None:
         pass
 
@@ -74,21 +66,7 @@ class NoPeers:
     def publish_abort(self, abort: Abort, hurry: bool) -> None:
         pass
 
-    def answer_places(self, places: Places, details: str) -> None:
-        pass
-
-    def places_everywhere(
-        self, own: Places, details: str, ranks_per_node: int, wait: Wait
-    ) -> tuple[Places, dict[int, str] | None, str]:
-        return own, None, details
-
-    def send_speed(self, summaries: str) -> None:
-        pass
-
-    def speed_from_others(self) -> list[str]:
-        return []
-
-    def profile_asked(self) -> str | None:
+    def channel(self, kind: type[Kind]) -> Kind | None:
         return None
 
     def leave(self, seconds: float, hurry: bool) -> None:
@@ -111,7 +89,6 @@ class NodePeers:
         self.node = node
         self.live = live
         self.leads = node.group_rank == 0
-        self._answered = False
 
     def start(self) -> None:
         self.live.start()
@@ -128,13 +105,6 @@ class NodePeers:
     def lost_goes_on(self) -> bool:
         return self.live.lost_goes_on
 
-    def hang_asked(self) -> bool:
-        """Once per round: node 0 asked where this node's ranks are."""
-        if self.live.hang_asked and not self._answered:
-            self._answered = True
-            return True
-        return False
-
     def progressed(self) -> None:
         self.live.progressed()
 
@@ -144,31 +114,8 @@ class NodePeers:
     def publish_abort(self, abort: Abort, hurry: bool) -> None:
         crossnode.publish_abort(self.node, abort, 0.5 if hurry else CALL_LIMIT)
 
-    def answer_places(self, places: Places, details: str) -> None:
-        if self.node.store is not None:
-            record = {
-                "places": {str(r): p.as_json() for r, p in places.items()},
-                "details": details,
-            }
-            with contextlib.suppress(StoreUnreachableError):
-                self.node.store.set(keys.places(self.node.group_rank), json.dumps(record))
-
-    def places_everywhere(
-        self, own: Places, details: str, ranks_per_node: int, wait: Wait
-    ) -> tuple[Places, dict[int, str] | None, str]:
-        """Node 0: every node's places, asked for and collected (crossnode.collect_places)."""
-        crossnode.ask_places(self.node)
-        return crossnode.collect_places(self.node, own, details, ranks_per_node, wait)
-
-    def send_speed(self, summaries: str) -> None:
-        if self.node.group_rank != 0:
-            self.live.speed_out = summaries
-
-    def speed_from_others(self) -> list[str]:
-        return list(self.live.speed_in.values())
-
-    def profile_asked(self) -> str | None:
-        return self.live.profile_asks.pop(0) if self.live.profile_asks else None
+    def channel(self, kind: type[Kind]) -> Kind | None:
+        return next((c for c in self.live.channels if isinstance(c, kind)), None)
 
     def leave(self, seconds: float, hurry: bool) -> None:
         crossnode.leave(self.node, self.live, seconds, hurry=hurry)
@@ -181,14 +128,20 @@ class NodePeers:
 
 
 def peers_of(
-    node: NodeGroup, node_timeout: float, elastic: bool, min_nodes: int = 0, restarts_left: int = 0
+    node: NodeGroup,
+    node_timeout: float,
+    elastic: bool,
+    min_nodes: int = 0,
+    restarts_left: int = 0,
+    channels: Sequence[Channel] = (),
 ) -> Peers:
     """This round's peers: a beat thread over the store for several nodes (or an elastic job of
     one node so far, which watches for nodes that want to join), none for one node. A lost
-    node leaves the others going on when at least `min_nodes` are left and a restart is."""
+    node leaves the others going on when at least `min_nodes` are left and a restart is. The
+    features' `channels` ride on its beats."""
     if not node.multi_node and not (elastic and node.store is not None):
         return NoPeers()
-    live = Liveness(node, node_timeout, elastic, min_nodes, restarts_left)
+    live = Liveness(node, node_timeout, elastic, min_nodes, restarts_left, channels)
     return NodePeers(node, live)
 
 

@@ -2,11 +2,11 @@
 
 The command arms its own node's ranks and hands the plan to its launcher (ASK_FILE in the run
 folder). That launcher puts it in the job's store (`profile/ask`); every other node's launcher
-reads it at its next beat (ddpkit.launch.peers.liveness), arms its own ranks with it (their
-traces go into its own run folder, under the same folder name) and puts back their answers and,
-at the end, their summaries and timed steps. The first launcher writes those into the
-recording's folder (`node<N>.armed.json`, `rank<R>.summary.json`, `node<N>.done.json`), where
-the command reads them as it reads its own ranks'.
+reads it at its next beat (`PlansChannel`, carried by ddpkit.launch.peers.liveness), arms its
+own ranks with it (their traces go into its own run folder, under the same folder name) and puts
+back their answers and, at the end, their summaries and timed steps. The first launcher writes
+those into the recording's folder (`node<N>.armed.json`, `rank<R>.summary.json`,
+`node<N>.done.json`), where the command reads them as it reads its own ranks'.
 
 Each side runs in a thread of its own with its own bounded store client: the launcher's loop
 never waits on another node. A node that does not answer is named by the command."""
@@ -25,7 +25,6 @@ from pathlib import Path
 from ddpkit.common import protocol
 from ddpkit.launch.base import profile_ask
 from ddpkit.launch.base.profile_ask import JsonDict, armed_file, done_file
-from ddpkit.launch.peers import keys
 from ddpkit.launch.peers.nodes import CALL_LIMIT, NodeGroup
 from ddpkit.launch.peers.peers import Peers
 from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError
@@ -33,6 +32,37 @@ from ddpkit.launch.peers.store import BoundedStore, StoreUnreachableError
 ASK_FILE = "profile-ask.json"  # in the run folder: the command's plan for the other nodes
 POLL = 0.25
 log = logging.getLogger(__name__)
+
+# this module's keys in the job's store: the newest plan (JSON, any node's), and each node's
+# answers to it
+ASK_KEY = "profile/ask"
+
+
+def armed_key(plan: str, node: int) -> str:
+    return f"profile/{plan}/armed/{node}"
+
+
+def done_key(plan: str, node: int) -> str:
+    return f"profile/{plan}/done/{node}"
+
+
+class PlansChannel:
+    """`ddpkit profile`'s plans published by any node, newest last, heard by the beat thread
+    for the launcher's loop."""
+
+    def __init__(self) -> None:
+        self.asks: list[str] = []
+        self._seen: str | None = None
+
+    def beat(self, store: BoundedStore, node: int, beats: int) -> None:
+        if store.has(ASK_KEY):
+            text = store.get(ASK_KEY)
+            if text != self._seen:
+                self._seen = text
+                self.asks.append(text)
+
+    def asked(self) -> str | None:
+        return self.asks.pop(0) if self.asks else None
 
 
 def take(
@@ -47,7 +77,8 @@ def take(
             ask.unlink()
             if node.multi_node and node.store is not None:
                 _thread(_spread, node, plan)
-    text = peers.profile_asked()
+    channel = peers.channel(PlansChannel)
+    text = channel.asked() if channel is not None else None
     if text is not None:
         with contextlib.suppress(ValueError):
             plan = json.loads(text)
@@ -75,16 +106,16 @@ def _spread(node: NodeGroup, plan: JsonDict) -> None:
     armed = {n for n in range(node.nnodes) if n != node.group_rank}
     done = set(armed)
     try:
-        store.set(keys.PROFILE_ASK, json.dumps(plan))
+        store.set(ASK_KEY, json.dumps(plan))
         deadline = _deadline(plan)
         while (armed or done) and time.monotonic() < deadline:
             for n in sorted(armed):
-                if store.has(keys.profile_armed(plan["id"], n)):
-                    _write(armed_file(folder, n), store.get(keys.profile_armed(plan["id"], n)))
+                if store.has(armed_key(plan["id"], n)):
+                    _write(armed_file(folder, n), store.get(armed_key(plan["id"], n)))
                     armed.discard(n)
             for n in sorted(done - armed):
-                if store.has(keys.profile_done(plan["id"], n)):
-                    record = json.loads(store.get(keys.profile_done(plan["id"], n)))
+                if store.has(done_key(plan["id"], n)):
+                    record = json.loads(store.get(done_key(plan["id"], n)))
                     for rank, summary in record.pop("summaries").items():
                         _write(folder / f"rank{rank}.summary.json", json.dumps(summary))
                     _write(done_file(folder, n), json.dumps(record))
@@ -109,7 +140,7 @@ def _answer(
     try:
         answers = profile_ask.arm(mine, state_dirs, pids)
         armed = {"host": node.host, "answers": {str(r): a for r, a in answers.items()}}
-        store.set(keys.profile_armed(plan["id"], me), json.dumps(armed))
+        store.set(armed_key(plan["id"], me), json.dumps(armed))
         deadline = _deadline(plan)
         seen = profile_ask.look(plan["id"], state_dirs, pids)
         while seen.pending and time.monotonic() < deadline:
@@ -118,7 +149,7 @@ def _answer(
         summaries = {str(r): _with_steps(s, state_dir, r) for r, s in seen.done.items()}
         record: JsonDict = {"host": node.host, "folder": mine["folder"], "summaries": summaries,
                   "ended": seen.ended, "pending": seen.pending}  # fmt: skip
-        store.set(keys.profile_done(plan["id"], me), json.dumps(record))
+        store.set(done_key(plan["id"], me), json.dumps(record))
     except StoreUnreachableError as err:
         log.debug("profile %s: the store went away (%s)", plan["id"], err)
     finally:

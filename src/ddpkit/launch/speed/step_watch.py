@@ -26,7 +26,7 @@ from pathlib import Path
 from ddpkit.common import nccl_transport, procs, protocol
 from ddpkit.launch.base.snapshot import Snapshot
 from ddpkit.launch.peers.peers import NoPeers, Peers
-from ddpkit.launch.speed import evidence, straggler
+from ddpkit.launch.speed import across_nodes, evidence, straggler
 from ddpkit.launch.speed.evidence import HostFacts, RankFacts
 from ddpkit.launch.speed.memory_growth import MemoryWatch
 from ddpkit.launch.speed.records import Episode, JobRow, LiveRow, MemoryFigures, SpeedReport
@@ -226,9 +226,9 @@ class SpeedWatch:
         for s in mine:
             self.summaries[s.rank] = s
         if not self.peers.leads:  # node 0 decides, from every node's summaries
-            self.peers.send_speed(json.dumps([asdict(s) for s in mine]))
+            across_nodes.send(self.peers, json.dumps([asdict(s) for s in mine]))
             return
-        for text in self.peers.speed_from_others():
+        for text in across_nodes.from_others(self.peers):
             for item in json.loads(text):
                 self.summaries[int(item["rank"])] = RankSummary(**item)
         if self.threshold <= 0 or stalled(self.tracks.values(), time.time()):
