@@ -99,7 +99,7 @@ def test_a_request_larger_than_the_whole_device_gets_no_batch_advice():
     facts = {"kind": "cpu", "asked": 9313 * GIB, "total": int(23.5 * GIB),
              "free": 20 * GIB, "allocated": GIB, "reserved": GIB, "params": 2**20,
              "grads": 0, "optimizer": 0, "batch": 64, "world_size": 3,
-             "bound": "the machine"}  # fmt: skip
+             "bound": "the machine", "bound_kind": "machine"}  # fmt: skip
     line, fix = oom_verdict.verdict(facts, 1, "oom.py:12 in <module>")
     assert "asked for 9.09 TiB" in line
     assert fix.startswith("one allocation of 9.09 TiB is more than the machine's memory (23.5 GiB)")
@@ -111,10 +111,13 @@ def test_the_host_verdict_names_the_limit_that_bounds_the_process():
     facts = {"kind": "cpu", "asked": 2 * GIB, "total": 8 * GIB, "free": GIB // 4,
              "allocated": 7 * GIB, "reserved": 7 * GIB, "params": 2**20, "grads": 0,
              "optimizer": 0, "batch": 64, "world_size": 3,
-             "bound": "the address-space limit (RLIMIT_AS: ulimit -v)"}  # fmt: skip
+             "bound": "the address-space limit (RLIMIT_AS: ulimit -v)",
+             "bound_kind": "address_space"}  # fmt: skip
     line, _ = oom_verdict.verdict(facts, 1, "oom.py:12 in <module>")
     assert "the host's address-space limit (RLIMIT_AS: ulimit -v) (8 GiB)" in line
     assert "free 256 MiB" in line
+    _, fix = oom_verdict.verdict({**facts, "asked": 9 * GIB}, 1, "oom.py:12 in <module>")
+    assert "raise the limit (ulimit -v)" in fix
 
 
 def test_a_batch_whose_activations_fit_nowhere_gets_no_micro_batch():

@@ -30,8 +30,9 @@ def test_shm_between_nvlinked_gpus_is_a_warning_naming_nccl_p2p_disable():
     assert found.local[(0, 4)] == {"SHM"}
     said = warnings(found, True, [], {}, environ={"NCCL_P2P_DISABLE": "1"})
     assert len(said) == 1
-    assert "SHM" in said[0]
-    assert "NCCL_P2P_DISABLE=1 is set" in said[0]
+    assert "SHM" in said[0].what
+    assert "NCCL_P2P_DISABLE=1 is set" in said[0].what
+    assert said[0].fix.startswith("unset NCCL_P2P_DISABLE")
     assert warnings(found, nvlinked=False, infiniband=[], interfaces={}) == [], "PCIe only"
 
 
@@ -40,7 +41,9 @@ def test_sockets_between_nodes_that_have_infiniband_is_a_warning():
     assert found.remote == {"NET/Socket"}
     assert found.local[(3, 4)] == {"SHM"}
     said = warnings(found, False, ["mlx5_0"], {}, environ={"NCCL_IB_DISABLE": "1"})
-    assert any("TCP sockets between nodes" in s and "NCCL_IB_DISABLE=1" in s for s in said)
+    assert any(
+        "TCP sockets between nodes" in s.what and "NCCL_IB_DISABLE=1" in s.what for s in said
+    )
     assert warnings(found, False, [], {}, environ={}) == []
 
 
@@ -61,10 +64,11 @@ def test_a_socket_on_a_slow_interface_while_a_faster_one_is_up_is_a_warning():
     found = parse(log)
     assert found.socket_ifs == ["eth0"]
     said = warnings(found, False, [], {"eth0": 1000, "eth1": 100000}, environ={})
-    assert said == [
+    assert [str(s) for s in said] == [
         "NCCL's sockets use eth0 (1000 Mb/s) though eth1 (100000 Mb/s) is up; fix: "
         "NCCL_SOCKET_IFNAME=eth1"
     ]
+    assert said[0].fix == "NCCL_SOCKET_IFNAME=eth1"
 
 
 def test_a_run_folder_without_nccl_logs_says_so_and_one_rank_moves_nothing(tmp_path):

@@ -55,19 +55,17 @@ def run(args: argparse.Namespace) -> int:
     smoke = None if args.no_smoke else smoke_test(len(found.gpus), spread)
     if smoke is not None and smoke.get("ok"):
         findings[:0] = checks.across_nodes(smoke.get("nodes", []))
-        for said in smoke.get("transport", []):
-            if said.startswith("warning: "):  # a slower NCCL path taken (nccl_transport)
-                what, _, fix = said.removeprefix("warning: ").partition("; fix: ")
-                findings.insert(
-                    0,
-                    checks.Finding(
-                        "warning",
-                        "nccl-transport",
-                        what,
-                        "NCCL's own log of the smoke test: a faster path exists",
-                        fix or "see docs/why-slow.md",
-                    ),
-                )
+        for slow in smoke.get("transport", {}).get("slow", []):  # a slower NCCL path taken
+            findings.insert(
+                0,
+                checks.Finding(
+                    "warning",
+                    "nccl-transport",
+                    slow["what"],
+                    "NCCL's own log of the smoke test: a faster path exists",
+                    slow["fix"] or "see docs/why-slow.md",
+                ),
+            )
     if smoke is not None and not smoke.get("ok"):
         findings.insert(
             0,
@@ -219,8 +217,11 @@ def render(
                 f"({smoke['backend']}): correct; {smoke['bytes'] // 2**20} MiB in "
                 f"{smoke['time_us']:.0f} us, busbw {smoke['busbw_gbps']} GB/s"
             )
-            for said in smoke.get("transport", []):
-                lines.append(f"  {said}")
+            transport = smoke.get("transport", {})
+            if transport.get("line"):
+                lines.append(f"  NCCL transport: {transport['line']}")
+            for slow in transport.get("slow", []):
+                lines.append(f"  warning: {slow['what']}; fix: {slow['fix']}")
             if len(smoke.get("nodes", [])) > 1:
                 lines += [
                     f"  node {n['host']}: torch {n['torch']}, NCCL {n['nccl'] or '-'}, driver "

@@ -101,6 +101,7 @@ class HostRoom:
     total: int  # bytes the bound allows in all
     free: int  # bytes left under it
     bound: str  # 'the machine', 'the memory cgroup (SLURM's --mem, ...)', 'RLIMIT_AS ...'
+    kind: str = "machine"  # what bounds it: "machine", "cgroup" or "address_space"
 
 
 def host_room() -> HostRoom:
@@ -109,13 +110,16 @@ def host_room() -> HostRoom:
     import psutil
 
     vm = psutil.virtual_memory()
-    rooms = [HostRoom(int(vm.total), int(vm.available), "the machine")]
+    rooms = [HostRoom(int(vm.total), int(vm.available), "the machine", "machine")]
     folder = memory_cgroup()
     limit, usage = memory_limit(folder), cgroup_usage(folder)
     if limit is not None and usage is not None and limit < vm.total:
         rooms.append(
             HostRoom(
-                limit, max(0, limit - usage), "the memory cgroup's limit (SLURM's --mem, a pod's)"
+                limit,
+                max(0, limit - usage),
+                "the memory cgroup's limit (SLURM's --mem, a pod's)",
+                "cgroup",
             )
         )
     space = address_space()
@@ -125,6 +129,7 @@ def host_room() -> HostRoom:
                 space[0],
                 max(0, space[0] - space[1]),
                 "the address-space limit (RLIMIT_AS: ulimit -v)",
+                "address_space",
             )
         )
     return min(rooms, key=lambda r: r.free)

@@ -149,13 +149,24 @@ def complete(folder: Path) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class SlowPath:
+    """A slower path NCCL took though a faster one exists: what, and the fix."""
+
+    what: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.what}; fix: {self.fix}"
+
+
 def warnings(
     found: Transport,
     nvlinked: bool,
     infiniband: list[str],
     interfaces: dict[str, int],
     environ: dict[str, str] | None = None,
-) -> list[str]:
+) -> list[SlowPath]:
     """Slower paths taken though faster ones exist. `nvlinked`: this machine's GPUs have
     active NVLinks (NVML); `infiniband`: its IB devices; `interfaces`: name -> Mb/s of the
     network interfaces that are up."""
@@ -173,8 +184,11 @@ def warnings(
             else "peer access between them is off (NCCL_P2P_LEVEL, ACS or IOMMU settings?)"
         )
         said.append(
-            f"NCCL goes through host memory (SHM) between GPU{a} and GPU{b}, which are "
-            f"NVLinked: {why}; fix: unset NCCL_P2P_DISABLE (NCCL then uses NVLink)"
+            SlowPath(
+                f"NCCL goes through host memory (SHM) between GPU{a} and GPU{b}, which are "
+                f"NVLinked: {why}",
+                "unset NCCL_P2P_DISABLE (NCCL then uses NVLink)",
+            )
         )
     if "NET/Socket" in found.remote and infiniband:
         why = (
@@ -183,17 +197,22 @@ def warnings(
             else "NCCL did not use them (driver, rdma-core or NCCL_IB_HCA?)"
         )
         said.append(
-            f"NCCL uses TCP sockets between nodes, and this node has InfiniBand "
-            f"({', '.join(infiniband)}): {why}; fix: unset NCCL_IB_DISABLE, check `ibstat`"
+            SlowPath(
+                f"NCCL uses TCP sockets between nodes, and this node has InfiniBand "
+                f"({', '.join(infiniband)}): {why}",
+                "unset NCCL_IB_DISABLE, check `ibstat`",
+            )
         )
     if "NET/Socket" in found.remote and found.socket_ifs and interfaces:
         used = {i: interfaces.get(i, 0) for i in found.socket_ifs}
         fastest = max(interfaces, key=lambda i: interfaces[i])
         if interfaces[fastest] > max(used.values(), default=0) * 1.5 and fastest not in used:
             said.append(
-                f"NCCL's sockets use {', '.join(f'{i} ({s} Mb/s)' for i, s in used.items())} "
-                f"though {fastest} ({interfaces[fastest]} Mb/s) is up; fix: "
-                f"NCCL_SOCKET_IFNAME={fastest}"
+                SlowPath(
+                    f"NCCL's sockets use {', '.join(f'{i} ({s} Mb/s)' for i, s in used.items())} "
+                    f"though {fastest} ({interfaces[fastest]} Mb/s) is up",
+                    f"NCCL_SOCKET_IFNAME={fastest}",
+                )
             )
     return said
 

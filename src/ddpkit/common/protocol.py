@@ -239,7 +239,8 @@ class OomFacts(TypedDict, total=False):
     allowed: int  # the process's own ceiling (set_per_process_memory_fraction)
     peak_allocated: int
     others: int | None  # other processes on the GPU (NVML); None on the host
-    bound: str  # what bounds host memory: the machine, the cgroup, ulimit -v
+    bound: str  # what bounds host memory, in words: the machine, the cgroup, ulimit -v
+    bound_kind: str  # the same as a value: "machine", "cgroup" or "address_space"
     grew: list[int]  # [first step, last step, allocated then, allocated at the last] of a leak
 
 

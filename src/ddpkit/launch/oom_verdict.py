@@ -82,7 +82,7 @@ def verdict(facts: OomFacts, rank: int, site: str, growth: str | None = None) ->
     allowed = facts.get("allowed")
     ceiling = f", {size(allowed)} allowed to this process" if allowed else ""
     bound = facts.get("bound")
-    if kind != "cuda" and bound and bound != "the machine":
+    if kind != "cuda" and bound and facts.get("bound_kind", "machine") != "machine":
         where = f"the host's {bound.removeprefix('the ')}"
     held = [f"{where} ({size(facts.get('total'))}{ceiling})"]
     if kind == "cuda":
@@ -122,8 +122,10 @@ def fix_line(facts: OomFacts, site: str = "", growth: str | None = None) -> str:
             label = "this process's cap on the GPU" if facts.get("allowed") else "the GPU's memory"
         else:
             bound = str(facts.get("bound") or "the machine")
-            label = "the machine's memory" if bound == "the machine" else bound
-        why = "raise the limit (ulimit -v) if the size is right; " if "ulimit" in label else ""
+            machine = facts.get("bound_kind", "machine") == "machine"
+            label = "the machine's memory" if machine else bound
+        limited = facts.get("kind") != "cuda" and facts.get("bound_kind") == "address_space"
+        why = "raise the limit (ulimit -v) if the size is right; " if limited else ""
         return (
             f"one allocation of {size(asked)} is more than {label} ({size(total)}) in all: no "
             f"batch size or setting makes it fit; {why}check the size computed{at} (a shape "

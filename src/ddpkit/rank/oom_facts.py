@@ -127,9 +127,10 @@ def facts(error: BaseException, kind: str) -> protocol.OomFacts:
         room = host_room()  # the machine, the memory cgroup or ulimit -v, as it is now
         free = room.free
         released = runtime.current().part(Reserve).released
-        if released and "ulimit" in room.bound:  # the reserve's space was not free then
+        if released and room.kind == "address_space":  # the reserve's space was not free then
             free = max(0, free - RESERVE_BYTES)
         out["free"], out["total"], out["bound"] = free, room.total, room.bound
+        out["bound_kind"] = room.kind
         out["others"] = None
     return out
 

@@ -15,6 +15,7 @@ once when an episode starts, once when it ends. `run_dir/speed-live.json` holds 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -101,6 +102,9 @@ class Track:
             gpu=f"GPU {facts['gpu']['index']}" if "index" in facts.get("gpu", {}) else "",
             facts=facts,
         )
+
+
+TRANSPORT_FILE = "transport.json"  # in the run folder: NCCL's transport and its slow paths
 
 
 class SpeedWatch:
@@ -211,7 +215,11 @@ class SpeedWatch:
             infiniband=infiniband_devices(),
             interfaces=nccl_transport.interface_speeds(),
         )
-        self.notes.extend(f"warning: {line}" for line in said)
+        self.notes.extend(f"warning: {slow}" for slow in said)
+        # for a program that ran this job (`ddpkit doctor`'s smoke test): the same, as values
+        record = {"line": self.transport, "slow": [asdict(slow) for slow in said]}
+        with contextlib.suppress(OSError):
+            (self.run_dir / TRANSPORT_FILE).write_text(json.dumps(record))
 
     def _nvlinked(self) -> bool:
         """This machine's GPUs have active NVLinks (NVML)."""
