@@ -129,7 +129,9 @@ def test_a_master_addr_of_another_machine_for_one_node_is_refused_at_once(tmp_pa
 
 def test_a_second_ctrl_c_kills_at_once(tmp_path):
     job = start(["-n", "2", "--grace", "60", str(SCRIPTS / "ignore_all.py")], tmp_path)
-    job.wait_for("ready")
+    # each rank ignores SIGINT once it has said so: a Ctrl+C before that is a KeyboardInterrupt
+    # (CI: rank 1's "ready" came first, and a bare "ready" matched it)
+    job.wait_for("[rank 0] ready")
     job.wait_for("[rank 1] ready")
     job.proc.send_signal(signal.SIGINT)
     time.sleep(0.5)

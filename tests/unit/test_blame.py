@@ -146,7 +146,7 @@ def test_the_first_error_that_is_not_a_lost_peer_is_the_root_cause_at_any_rank(t
 
 def test_a_restarts_report_says_the_attempt_and_no_exit_code(tmp_path):
     outcome = report.Outcome(ok=False, exit_code=1, summary="rank 1 raised ValueError")
-    outcome.finalize([], look(tmp_path, []), tmp_path)
+    outcome = outcome.finalize([], look(tmp_path, []), tmp_path)
     assert outcome.text.splitlines()[1] == "ddpkit: the job failed"
     assert outcome.text.splitlines()[-1] == "  exit code: 1"
     again = outcome.render(attempt="attempt 1 of 3").splitlines()

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from ddpkit.common import protocol
 from ddpkit.launch import causes, observe, report
+from ddpkit.launch.base.snapshot import ERROR_EXIT_WAIT
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.base.worker import Signals
 from ddpkit.launch.peers.liveness import Abort, Liveness
@@ -77,14 +78,16 @@ def test_a_rank_stuck_after_its_error_counts_as_failed_with_the_code_it_chose(tm
     error(tmp_path, 1, "boom", time.time())
     fresh = protocol.state_path(tmp_path, 1, protocol.ERROR)
     old = protocol.state_path(tmp_path, 0, protocol.ERROR)
-    written = time.time() - observe.ERROR_EXIT_WAIT - 1
+    written = time.time() - ERROR_EXIT_WAIT - 1
     os.utime(old, (written, written))
     workers = [worker(0), worker(1), worker(2, exit_code=0)]
     snap = look(tmp_path, workers)
     assert observe.failed(snap) == (0,), f"{fresh.name} was written just now"
-    assert observe.mark_stuck(workers, snap)
-    assert workers[0].exit_code == 7
-    assert workers[1].exit_code is None
+    stuck = {v.rank: v for v in snap.failed_ranks}
+    assert list(stuck) == [0]
+    assert stuck[0].code == 7, "the code its error chose"
+    assert stuck[0].exit_code is None, "its exit code is its own, when it comes"
+    assert workers[0].exit_code is None, "nothing is written into the worker"
 
 
 def in_collective(state, rank: int) -> None:

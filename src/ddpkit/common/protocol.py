@@ -31,6 +31,9 @@ STATE_DIR = "_DDPKIT_STATE_DIR"  # where this rank writes its state files
 INIT_TIMEOUT = "_DDPKIT_INIT_TIMEOUT"  # setup()'s bound at init, looser than the launcher's
 BACKEND = "_DDPKIT_BACKEND"  # "gloo" when the launcher started CPU processes
 TRACK = "_DDPKIT_TRACK"  # "0": no per-collective records (benchmarks)
+# for a program that runs `ddpkit run` (the doctor's smoke test): where the launcher also
+# writes NCCL's transport as it found it (JSON: {"line": ..., "slow": [{"what", "fix"}]})
+TRANSPORT_TO = "_DDPKIT_TRANSPORT_TO"
 RANK_PID = "_DDPKIT_RANK_PID"  # set by the bootstrap: its children are not the rank
 FRAMED = "_DDPKIT_FRAMED"  # "1": stdout and stderr share one pipe; frame sys.stderr's writes
 # rank 0 of a one-node job: the launcher's listening socket (this fd number), on which rank 0

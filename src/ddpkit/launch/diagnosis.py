@@ -92,17 +92,17 @@ class Failure:
 
     @cached_property
     def errors(self) -> dict[int, protocol.ErrorRecord]:
-        return {w.rank: w.error for w in self.snap.exited_nonzero if w.error is not None}
+        return {w.rank: w.error for w in self.snap.failed_ranks if w.error is not None}
 
     @cached_property
     def only_waited(self) -> bool:
         """Every failed rank failed waiting for a peer: the cause is a rank they waited for."""
-        failed = self.snap.exited_nonzero
+        failed = self.snap.failed_ranks
         return bool(failed) and all(waited(w.error) for w in failed)
 
     @cached_property
     def victims(self) -> list[int]:
-        return sorted(w.rank for w in self.snap.exited_nonzero)
+        return sorted(w.rank for w in self.snap.failed_ranks)
 
     @cached_property
     def ended_early(self) -> list[int]:
@@ -149,7 +149,7 @@ class Failure:
         """The first to fail (a rank whose error says a peer failed first counts last; of
         ranks that failed the same way at once, the lowest; of ranks the OOM killer ended at
         once, the one that held most), and the others SIGKILLed with it."""
-        failed, errors = self.snap.exited_nonzero, self.errors
+        failed, errors = self.snap.failed_ranks, self.errors
         root = min(failed, key=lambda w: self._order(w))
         first = errors.get(root.rank)
         if first is not None:
@@ -181,7 +181,7 @@ class Failure:
 
     @property
     def root_code(self) -> int:
-        return self.root.exit_code or 0
+        return self.root.code or 0
 
     @cached_property
     def killed_by_oom(self) -> bool:
@@ -198,6 +198,8 @@ def _exit_words(f: Failure) -> str:
     """'rank 1 exited with code 1 (ValueError: bad sample 17) at train.py:41'."""
     root, code, error = f.root, f.root_code, f.root_error
     said = f"rank {root.rank} {causes.describe_exit(root.exit_code)}"
+    if root.exit_code is None:  # it hung on after its error (tearing down NCCL, say)
+        said = f"rank {root.rank} failed (code {code}) and had not exited after its error"
     if code < 0 and -code in causes.FATAL and (site := causes.fault_site(root.fault)):
         said += f" at {site}"
     return said + _error_words(error)

@@ -22,11 +22,11 @@ from enum import Enum
 
 from ddpkit.launch import observe
 from ddpkit.launch.base.decide import Attempt, Next, Observation, Verdict, after_attempt, decide
-from ddpkit.launch.base.snapshot import Snapshot
+from ddpkit.launch.base.snapshot import ERROR_EXIT_WAIT, Snapshot
 
 SETTLE = 0.2  # seconds near-simultaneous exits get to land before the root cause is chosen
 # at most this long more for the ranks that are failing the same way as the first
-SETTLE_WAITING = observe.ERROR_EXIT_WAIT
+SETTLE_WAITING = ERROR_EXIT_WAIT
 INIT_CHECK_EVERY = 0.5  # seconds between checks for ranks missing at init
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ddpkit.common import protocol
 from ddpkit.common.ranges import ranks_text
-from ddpkit.launch.base.snapshot import RankView, Snapshot
+from ddpkit.launch.base.snapshot import Snapshot
 from ddpkit.launch.base.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,6 @@ def waited(error: protocol.ErrorRecord | None) -> bool:
     return error is not None and any(word in error.message for word in protocol.WAITING_WORDS)
 
 
-ERROR_EXIT_WAIT = 3.0  # seconds a rank that recorded an error may take to exit
-
-
 def reap(workers: list[Worker]) -> None:
     """Record the exit code and time of every worker that has exited since the last look."""
     for w in workers:
@@ -33,35 +30,9 @@ def reap(workers: list[Worker]) -> None:
             w.exit_code, w.ended_wall = code, time.time()
 
 
-def stuck(snap: Snapshot) -> list[RankView]:
-    """Ranks that recorded an uncaught error but have not exited ERROR_EXIT_WAIT s later (e.g.
-    stuck tearing down NCCL while a peer waits in a collective): failed all the same."""
-    return [
-        v
-        for v in snap.running
-        if v.error is not None and snap.wall - v.error_written > ERROR_EXIT_WAIT
-    ]
-
-
-def mark_stuck(workers: list[Worker], snap: Snapshot) -> bool:
-    """Give each stuck rank the code it meant to exit with (its error's, else 1) and the time
-    it wrote its error; whether any was marked (then the snapshot is out of date)."""
-    marked = False
-    for v in stuck(snap):
-        error = v.error
-        code = error.exit_code if error is not None and error.exit_code is not None else 1
-        for w in workers:
-            if w.rank == v.rank and w.exit_code is None:
-                w.exit_code, w.ended_wall, marked = code, v.error_written, True
-                log.debug(
-                    "rank %d recorded its error and has not exited: failed (%d)", v.rank, code
-                )
-    return marked
-
-
 def failed(snap: Snapshot) -> tuple[int, ...]:
     """Ranks that exited non-zero, or else those that recorded an error and hang on."""
-    return tuple(v.rank for v in snap.exited_nonzero or stuck(snap))
+    return tuple(v.rank for v in snap.failed_ranks)
 
 
 def only_victims(snap: Snapshot) -> bool:
@@ -79,7 +50,7 @@ def settled(snap: Snapshot) -> bool:
     crash, an exception) settles at once otherwise."""
     if any(v.error is not None for v in snap.running):
         return False  # a rank that recorded its error is on its way out: let it land
-    if not all(waited(v.error) for v in snap.exited_nonzero):
+    if not all(waited(v.error) for v in snap.failed_ranks):
         return True
     return not any(v.record is not None and v.record.in_collective for v in snap.running)
 

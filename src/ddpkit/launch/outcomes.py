@@ -48,13 +48,10 @@ class Scene:
         return Wait(self.signals.reason)
 
     def look(self, steps: bool | None = False, usage: bool | None = False) -> Snapshot:
-        """Reap the workers that exited and look at every rank. A rank stuck after its error
-        (while none exited non-zero) counts as exited with the code it chose."""
+        """Reap the workers that exited and look at every rank (a rank stuck after its error,
+        while none exited non-zero, is failed in the snapshot with the code it chose)."""
         observe.reap(self.workers)
-        snap = self._read(steps, usage)
-        if not snap.exited_nonzero and observe.mark_stuck(self.workers, snap):
-            snap = self._read(steps, False)
-        return snap
+        return self._read(steps, usage)
 
     def _read(self, steps: bool | None, usage: bool | None) -> Snapshot:
         snap = self.reader.look(self.workers, steps=steps, usage=usage)

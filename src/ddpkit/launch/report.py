@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddpkit.common import protocol
@@ -24,14 +24,13 @@ from ddpkit.launch.diagnosis import HANG_EXIT_CODE, Cause, Kind
 from ddpkit.launch.peers.liveness import Abort
 
 
-@dataclass
+@dataclass(frozen=True)
 class Outcome:
     ok: bool
     exit_code: int
     summary: str = ""
     interrupted: bool = False
     root_rank: int | None = None
-    text: str = ""
     details: str = ""
     restartable: bool = True  # --max-restarts may start the group again after this
     from_node: int | None = None  # another node said why (its Abort); None: this node knows
@@ -42,7 +41,7 @@ class Outcome:
     victims: list[int] | None = None  # ranks that failed only because of the root cause
     kind: Kind | None = None  # the diagnosis's row, when it named the cause
     title: str = ""  # 'the job failed', once finalized
-    lines: list[str] = field(default_factory=list)  # the report's lines under its title
+    lines: tuple[str, ...] = ()  # the report's lines under its title
 
     @classmethod
     def success(cls) -> Outcome:
@@ -96,31 +95,54 @@ class Outcome:
         )
 
     def finalize(
-        self, workers: list[Worker], snap: Snapshot, run_dir: Path, roots: Sequence[Path] = ()
-    ) -> None:
-        """Write the report (console text and run_dir/report.txt) once outputs are closed;
-        `snap`: the ranks as they ended. `roots`: where the script's files are (to find the
-        branch of a collective mismatch)."""
+        self,
+        workers: list[Worker],
+        snap: Snapshot,
+        run_dir: Path,
+        roots: Sequence[Path] = (),
+        grace: float = 0.0,
+    ) -> Outcome:
+        """The outcome as reported, written down once the outputs are closed (the console's
+        text and run_dir/report.txt): `snap`, the ranks as they ended; `roots`, where the
+        script's files are (to find the branch of a collective mismatch); `grace`, what the
+        ranks were given to end after the launcher's signal."""
         if self.ok:
-            return
+            return self
+        summary, fix = self.summary, self.fix
         said = [line for w in workers for line in w.output.last_lines]
-        refined = diagnosis.after_the_end(self.summary, said, snap, [*roots, Path.cwd()])
+        refined = diagnosis.after_the_end(summary, said, snap, [*roots, Path.cwd()])
         if refined is not None:
-            self.summary, self.fix = refined
+            summary, fix = refined
         if self.interrupted and self.from_node is None:
-            self.summary = (
-                f"{self.summary}, forwarded to every rank: {how_ranks_ended(workers, self.grace)}"
-            )
+            summary = f"{summary}, forwarded to every rank: {how_ranks_ended(workers, grace)}"
         title = "the job hung" if self.exit_code == HANG_EXIT_CODE else "the job failed"
         if self.interrupted:
             title = "the job was stopped"
         elif self.from_node is not None:
             title += f" on node {self.from_node}"
-        lines = [f"  root cause: {self.summary}"]
-        if self.fix:
-            lines.append(f"  fix: {self.fix}")
+        lines = [f"  root cause: {summary}"]
+        if fix:
+            lines.append(f"  fix: {fix}")
         if self.details:
             lines.append(self.details)
+        lines += self._ranks_lines(workers, snap)
+        logs_lost = [w.output.log_error for w in workers if w.output.log_error]
+        if logs_lost:
+            lines.append("  logs cut short: " + "; ".join(logs_lost))
+        lines.append(f"  logs: {run_dir}")
+        done = replace(self, summary=summary, fix=fix, grace=grace, title=title, lines=tuple(lines))
+        try:
+            with os.fdopen(open_private(run_dir / "report.txt"), "w") as f:
+                f.write(done.text.lstrip("\n") + "\n")
+        except OSError as err:  # a full disk must not hide the report on the console
+            lines.append(f"  (report.txt not written: {err.strerror or err})")
+            done = replace(done, lines=tuple(lines))
+        return done
+
+    def _ranks_lines(self, workers: list[Worker], snap: Snapshot) -> list[str]:
+        """The root rank's last lines (when its traceback was not shown already) and how the
+        other ranks ended."""
+        lines = []
         root = next((w for w in workers if w.rank == self.root_rank), None)
         root_error = snap.of(root.rank).error if root is not None else None
         shown_above = root_error is not None and root_error.type != "SystemExit"
@@ -144,18 +166,12 @@ class Outcome:
                 "  other ranks: "
                 + "; ".join(f"{ranks_text(ranks)} {what}" for what, ranks in others.items())
             )
-        logs_lost = [w.output.log_error for w in workers if w.output.log_error]
-        if logs_lost:
-            lines.append("  logs cut short: " + "; ".join(logs_lost))
-        lines.append(f"  logs: {run_dir}")
-        self.title, self.lines = title, lines
-        self.text = self.render()
-        try:
-            with os.fdopen(open_private(run_dir / "report.txt"), "w") as f:
-                f.write(self.text.lstrip("\n") + "\n")
-        except OSError as err:  # a full disk must not hide the report on the console
-            self.lines.append(f"  (report.txt not written: {err.strerror or err})")
-            self.text = self.render()
+        return lines
+
+    @property
+    def text(self) -> str:
+        """The report as said at the job's end ("" before it is finalized)."""
+        return self.render() if self.title else ""
 
     def render(self, attempt: str = "") -> str:
         """The report as said: at the job's end with its exit code; `attempt` ('attempt 1 of

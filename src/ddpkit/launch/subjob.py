@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
-import uuid
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from ddpkit.errors import ConfigError
-from ddpkit.launch.base.rundir import base_folder
-from ddpkit.launch.speed.step_watch import TRANSPORT_FILE
+from ddpkit.common import protocol
 
 
 @dataclass
@@ -35,11 +35,20 @@ class JobResult:
 
 def run_job(run_args: list[str], marker: str, bound: float) -> JobResult:
     """`ddpkit run RUN_ARGS`, at most `bound` seconds; rank 0's `MARKER {json}` line, and
-    what the launcher wrote of NCCL's transport in the run's folder."""
-    run_id = f"subjob{uuid.uuid4().hex[:12]}"
-    cmd = [sys.executable, "-m", "ddpkit", "run", "--run-id", run_id, *run_args]
+    NCCL's transport as the launcher found it (written where it was asked to)."""
+    cmd = [sys.executable, "-m", "ddpkit", "run", *run_args]
+    with tempfile.TemporaryDirectory(prefix="ddpkit-subjob-") as folder:
+        told = Path(folder) / "transport.json"
+        env = {**os.environ, protocol.TRANSPORT_TO: str(told)}
+        found = _run(cmd, env, marker, bound)
+        with contextlib.suppress(OSError, ValueError):
+            found.transport = json.loads(told.read_text())
+    return found
+
+
+def _run(cmd: list[str], env: dict[str, str], marker: str, bound: float) -> JobResult:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=bound)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=bound, env=env)
     except subprocess.TimeoutExpired as err:
         seen = err.stderr or ""
         text = seen.decode(errors="replace") if isinstance(seen, bytes) else seen
@@ -47,8 +56,4 @@ def run_job(run_args: list[str], marker: str, bound: float) -> JobResult:
     line = next((x for x in out.stdout.splitlines() if f"{marker} " in x), None)
     result = json.loads(line.split(f"{marker} ", 1)[1]) if line else None
     tail = "\n".join((out.stdout + out.stderr).splitlines()[-15:])
-    transport: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError, ConfigError):
-        folder = base_folder(None) / run_id
-        transport = json.loads((folder / TRANSPORT_FILE).read_text())
-    return JobResult(result, out.returncode, tail, transport)
+    return JobResult(result, out.returncode, tail)

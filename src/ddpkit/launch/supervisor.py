@@ -378,9 +378,7 @@ def _collect_and_stop(job: Job, running: Running, verdict: Verdict, attempt: int
             _say(speed.notes.pop(0))
         if summary and outcome.ok:  # after a failure the step times are beside the point
             _say(summary)
-    outcome.grace = given
-    outcome.finalize(workers, ended, job.run_dir, outcomes.script_roots(cfg))
-    return outcome
+    return outcome.finalize(workers, ended, job.run_dir, outcomes.script_roots(cfg), given)
 
 
 def _stop(job: Job, running: Running) -> float:

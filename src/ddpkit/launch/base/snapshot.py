@@ -63,6 +63,8 @@ class RankView:
     rescuable: bool = False  # it keeps a completed step it could write (ddpkit.train.rescue)
     steps: protocol.StepRecord | None = None  # steps written since the last read
     count: protocol.StepCount | None = None  # the job's steps as it counts them, at this look
+    # the code a rank that hung on after its error meant to exit with (in `failed_ranks`)
+    meant: int | None = None
 
     @property
     def alive(self) -> bool:
@@ -70,12 +72,24 @@ class RankView:
 
     @property
     def failed(self) -> bool:
-        return self.exit_code not in (None, 0)
+        return self.exit_code not in (None, 0) or self.meant is not None
+
+    @property
+    def code(self) -> int | None:
+        """The code it exited with, or the one it means to exit with."""
+        return self.exit_code if self.exit_code is not None else self.meant
 
     @property
     def absent(self) -> bool:
         """A live rank that has not reached init_process_group."""
         return self.alive and self.phase in ("starting", "started")
+
+
+ERROR_EXIT_WAIT = 3.0  # seconds a rank that recorded an error may take to exit
+
+
+def _meant(error: protocol.ErrorRecord | None) -> int:
+    return error.exit_code if error is not None and error.exit_code is not None else 1
 
 
 @dataclass(frozen=True)
@@ -105,8 +119,24 @@ class Snapshot:
         return tuple(v for v in self.ranks if v.alive)
 
     @property
-    def exited_nonzero(self) -> tuple[RankView, ...]:
-        return tuple(v for v in self.ranks if v.failed)
+    def failed_ranks(self) -> tuple[RankView, ...]:
+        """Ranks that exited non-zero; while none has, those that hung on after recording
+        their error (stuck tearing down NCCL while a peer waits), each with the code it chose
+        (its error's, else 1) and the time it said so; their exit codes stay unknown."""
+        exited = tuple(v for v in self.ranks if v.exit_code not in (None, 0))
+        return exited or tuple(
+            replace(v, meant=_meant(v.error), ended_wall=v.error_written)
+            for v in self.ranks
+            if self.hung_on(v) and v.error is not None
+        )
+
+    def hung_on(self, view: RankView) -> bool:
+        """A live rank that recorded its error ERROR_EXIT_WAIT s ago and has not exited."""
+        return (
+            view.exit_code is None
+            and view.error is not None
+            and self.wall - view.error_written > ERROR_EXIT_WAIT
+        )
 
     def group(self) -> tuple[str, float] | None:
         """The process group's (backend, timeout), from the first rank that wrote it."""

@@ -216,10 +216,13 @@ class SpeedWatch:
             interfaces=nccl_transport.interface_speeds(),
         )
         self.notes.extend(f"warning: {slow}" for slow in said)
-        # for a program that ran this job (`ddpkit doctor`'s smoke test): the same, as values
-        record = {"line": self.transport, "slow": [asdict(slow) for slow in said]}
-        with contextlib.suppress(OSError):
-            (self.run_dir / TRANSPORT_FILE).write_text(json.dumps(record))
+        # the same as values: in the run folder, and where a program that ran this job asked
+        # (`ddpkit doctor`'s smoke test)
+        record = json.dumps({"line": self.transport, "slow": [asdict(slow) for slow in said]})
+        asked = os.environ.get(protocol.TRANSPORT_TO)
+        for path in (self.run_dir / TRANSPORT_FILE, *([Path(asked)] if asked else [])):
+            with contextlib.suppress(OSError):
+                path.write_text(record)
 
     def _nvlinked(self) -> bool:
         """This machine's GPUs have active NVLinks (NVML)."""
