@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
 import time
 import uuid
@@ -113,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         f"{len(answers)} rank(s){nodes.words()} (now at step {max(counts.values())})",
         flush=True,
     )
+    # SIGINT cuts the recording however the command was started: a shell's background job (a
+    # script's `ddpkit profile ... &`, CI's) inherits SIGINT ignored, and Python keeps that
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         _wait_done(plan_id, state_dirs, pids, args.timeout, first, folder, nodes)
     except KeyboardInterrupt:  # Ctrl+C: the recording ends at the ranks' next step
