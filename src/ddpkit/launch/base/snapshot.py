@@ -2,8 +2,8 @@
 
 `Reader.look(workers)` reads every rank's phase, progress record, step count, error, process
 group, end and (once a rank failed) its memory facts, plus the steps written since the last
-read, and returns a frozen `Snapshot`. The watches, the decisions, blame, the report and the
-restart's cost line take that snapshot; none of them reads a rank's file itself
+read, and returns a frozen `Snapshot`. The watches, the decisions, the diagnosis, the report
+and the restart's cost line take that snapshot; none of them reads a rank's file itself
 (`ddpkit.common.protocol` is read here). A recording's breakdown reads a rank's whole step
 ring once, through `Reader.timed_steps`.
 
