@@ -1,8 +1,8 @@
 """Where a rank is, as a value: what it does there (`Doing`, with its details) and the line of
 code. The hang doctor decides a place from a rank's stack and records (`places.where`); the
-diagnosis's rules and the other nodes read the value, never its words. The words are made here, once,
-for the line that says them: a verdict groups ranks by them ('ranks 0,2 wait in all_reduce'),
-a culprit's line puts them in the past ('it was at evaluate').
+diagnosis's rules and the other nodes read the value, never its words. The words are made
+here, once, for the line that says them: a verdict groups ranks by them ('ranks 0,2 wait in
+all_reduce'), a culprit's line puts them in the past ('it was at evaluate').
 """
 
 from __future__ import annotations
