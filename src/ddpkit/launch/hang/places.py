@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -79,7 +79,7 @@ def where(
     if state is not None:  # stopped, stuck in C code holding the GIL, waiting for its GPU
         if state.doing is Doing.HOLDS_GIL and rank_frames:
             state = Place(Doing.HOLDS_GIL, seconds=state.seconds, func=rank_frames[0].func)
-        return replace(state, site=stack_site if rank_frames else (record.site if record else ""))
+        return state.at(stack_site if rank_frames else (record.site if record else ""))
     if not rank_frames:
         site = record.site if record is not None else ""
         if record is not None and record.in_collective:
