@@ -47,6 +47,15 @@ def test_the_rank_whose_own_time_stands_out_is_the_one_the_others_wait_for():
         "most in aten::tanh 50.0 ms" in said  # fmt: skip
 
 
+def test_the_slow_ranks_op_named_is_its_own_work_not_its_all_reduce():
+    # a loaded CPU: the slow rank's all-reduce can be its biggest op, and is not what it adds
+    top = (("c10d::allreduce_", 0.066, 9), ("aten::tanh", 0.056, 9), ("gloo:all_reduce", 0.04, 9))
+    slow = recording(1, compute=0.030, top=top)
+    said = pb.text([recording(0, 0.010), slow, recording(2, 0.011)], pb.Path("f"), None)
+    assert "meanwhile it spends most in aten::tanh 56.0 ms" in said, said
+    assert "rank 1: c10d::allreduce_ 66.0 ms" in said, "the top ops still list every op"
+
+
 def test_an_even_job_names_no_rank():
     recordings = [recording(0, 0.010), recording(1, 0.0105), recording(2, 0.0102)]
     assert pb.waited_for(recordings) is None

@@ -158,7 +158,7 @@ def text(recordings: list[RankRecording], folder: Path, merged: Path | None) -> 
     if found is not None:
         rank, part = found
         slow = next(r for r in recordings if r.rank == rank)
-        top = _top_line(slow, 1)
+        top = _top_line(slow, 1, own_only=True)
         lines.append(
             f"the others wait for rank {rank}: its {part} time stands out"
             + (f"; meanwhile it spends most in {top}" if top else "")
@@ -191,10 +191,20 @@ def text(recordings: list[RankRecording], folder: Path, merged: Path | None) -> 
     return "\n".join(lines)
 
 
-def _top_line(r: RankRecording, count: int) -> str:
+def is_communication(op: str) -> bool:
+    """A collective's op (c10d's call, gloo's and NCCL's own spans and kernels): time the rank
+    waits or sends, not time of its own."""
+    return op.startswith(("c10d::", "gloo:", "record_param_comms")) or op.lower().startswith("nccl")
+
+
+def _top_line(r: RankRecording, count: int, own_only: bool = False) -> str:
     """'aten::mm 2.3 ms (16%), ...': each op's own time over the recorded steps, and its share
-    of them (the steps' wall time; the profiler's span where no step was timed)."""
-    rows = r.summary.get("top") or []
+    of them (the steps' wall time; the profiler's span where no step was timed). `own_only`:
+    the rank's own work, collectives left out (a slow rank's own time is what holds the
+    others back; on a loaded CPU its all-reduce can still be its biggest op)."""
+    rows = [
+        row for row in r.summary.get("top") or [] if not (own_only and is_communication(row[0]))
+    ]
     wall = r.total("total") or float(r.summary.get("seconds", 0.0)) or 1.0
     where = ("GPU" if r.summary.get("device") == "gpu" else "CPU") + " time, share of the steps"
     shown = [
