@@ -301,13 +301,13 @@ def test_a_rank_at_a_breakpoint_answers_in_a_terminal_and_is_never_called_hung(t
     term = terminal.Terminal(command, tmp_path)
     try:
         term.wait_for("(Pdb)")
-        screen = term.wait_for("rank 1 is at a debugger prompt (pdb): not a hang", 30)
+        screen = term.wait_for("rank 1 is at a prompt (a debugger's or input()): not a hang", 30)
         time.sleep(4)  # past another hang timeout
         screen = term.screen()
-        assert "\nddpkit: rank 1 is at a debugger prompt" in screen, "on a line of its own"
+        assert "\nddpkit: rank 1 is at a prompt" in screen, "on a line of its own"
         assert screen.rstrip().endswith("[rank 1] (Pdb)"), "the prompt, shown again"
         assert "hung" not in screen
-        assert screen.count("is at a debugger prompt") == 1
+        assert screen.count("is at a prompt (a debugger") == 1
         term.keys("p x * 7", "Enter")
         term.wait_for("[rank 1] tensor([42.])")
         deadline = time.monotonic() + 10
@@ -316,6 +316,22 @@ def test_a_rank_at_a_breakpoint_answers_in_a_terminal_and_is_never_called_hung(t
         term.keys("c", "Enter")
         assert term.exit_code(60) == 0
         assert "[rank 0] after 42.0" in term.screen()
+    finally:
+        term.close()
+
+
+@needs_tmux
+def test_a_rank_waiting_in_input_for_a_person_is_never_called_hung(tmp_path):
+    # rank 0 asks for a name and the person takes longer than --hang-timeout to answer
+    command = [*DDPKIT, "run", "-n", "2", "--hang-timeout", "3", str(SCRIPTS / "reads_stdin.py")]
+    term = terminal.Terminal(command, tmp_path)
+    try:
+        term.wait_for("your name?")
+        term.wait_for("rank 0 is at a prompt (a debugger's or input()): not a hang", 30)
+        time.sleep(4)  # past another hang timeout
+        assert "hung" not in term.screen()
+        term.keys("Ada", "Enter")
+        term.wait_for("[rank 0] hello Ada")
     finally:
         term.close()
 

@@ -16,6 +16,7 @@ from ddpkit.launch.base.place import Doing, Place
 from ddpkit.launch.base.snapshot import RankView, Snapshot
 from ddpkit.launch.diagnosis import Kind
 from ddpkit.launch.hang.mismatch import Mismatch
+from ddpkit.launch.hang.window import Window
 from ddpkit.launch.observe import InitWait
 
 NOW = time.time()
@@ -173,7 +174,9 @@ HUNG_ROWS = {
 @pytest.mark.parametrize("kind", list(HUNG_ROWS), ids=lambda k: k.name)
 def test_each_row_of_a_hang_names_its_cause_and_fix(kind):
     where, differ, fix = HUNG_ROWS[kind]
-    cause = diagnosis.hung(diagnosis.Hang(where, "v", "", stall=60, timeout=60, differ=differ))
+    cause = diagnosis.hung(
+        diagnosis.Hang(where, "v", "", stall=60, window=Window(60, 20, 60), differ=differ)
+    )
     assert cause.kind is kind
     assert fix in cause.fix
     assert cause.exit_code == diagnosis.HANG_EXIT_CODE

@@ -391,9 +391,11 @@ def test_a_place_crosses_to_another_node_unchanged(place):
 
 def test_the_hang_advice_follows_the_places_not_the_words_of_the_summary():
     from ddpkit.launch import diagnosis
+    from ddpkit.launch.hang.window import Window
 
     def fix(verdict: str, *where: Place) -> str:
-        hang = diagnosis.Hang(dict(enumerate(where)), verdict, "", stall=300, timeout=300)
+        window = Window(300, 20, 300)
+        hang = diagnosis.Hang(dict(enumerate(where)), verdict, "", stall=300, window=window)
         return diagnosis.hung(hang).fix
 
     gpu = Place(Doing.WAITS_FOR_GPU, seconds=40, gpu=0, busy=100)

@@ -25,6 +25,7 @@ from ddpkit.launch import causes, oom_verdict
 from ddpkit.launch.base.place import Doing, Place
 from ddpkit.launch.base.snapshot import RankView, Snapshot
 from ddpkit.launch.hang import mismatch
+from ddpkit.launch.hang.window import Window
 from ddpkit.launch.observe import InitWait, waited
 
 HANG_EXIT_CODE = 124  # as GNU timeout's
@@ -364,7 +365,7 @@ class Hang:
     verdict: str  # the places said as one line (ddpkit.launch.hang.places.verdict)
     details: str
     stall: float
-    timeout: float
+    window: Window
     differ: mismatch.Mismatch | None = None
     roots: Sequence[Path] = ()
 
@@ -374,9 +375,10 @@ class Hang:
 
 
 def _hang_advice(h: Hang) -> str:
+    flag, now = h.window.flag()
     return (
-        f"if a rank legitimately waits this long (a download, a long first step), raise "
-        f"--hang-timeout (now {h.timeout:g} s); --hang-timeout 0 turns the watch off"
+        f"if a rank legitimately does no work this long (a sleep, a poll of a slow service), "
+        f"raise {flag} (now {now:g} s); --hang-timeout 0 turns the watch off"
     )
 
 
@@ -421,7 +423,9 @@ HUNG: tuple[Rule, ...] = (
 def hung(h: Hang) -> Cause:
     rule = first_rule(HUNG, h)
     summary, fix = rule.says(h)
-    return Cause(rule.kind, None, summary, fix, HANG_EXIT_CODE, details=h.details)
+    when = f"  when: no rank did work for {h.stall:.0f} s; {h.window.basis()}"
+    return Cause(rule.kind, None, summary, fix, HANG_EXIT_CODE, details="\n".join(
+        line for line in (when, h.details) if line))  # fmt: skip
 
 
 # -- the ranks never met at init --------------------------------------------------------------

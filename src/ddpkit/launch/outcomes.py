@@ -23,6 +23,7 @@ from ddpkit.launch.base.snapshot import Reader, Snapshot
 from ddpkit.launch.base.wait import Wait
 from ddpkit.launch.base.worker import Signals, Worker
 from ddpkit.launch.hang import across_nodes, mismatch, places
+from ddpkit.launch.hang.window import Window
 from ddpkit.launch.peers.liveness import BEAT, Abort
 from ddpkit.launch.peers.peers import Peers, wait_for_word
 
@@ -42,6 +43,7 @@ class Scene:
     # the steps a look read go to the speed watch, whoever looked: a look consumes them
     took_steps: Callable[[Snapshot], None] = lambda snap: None
     stall: float = 0.0  # seconds no rank made progress (the hang watch's)
+    window: Window | None = None  # the stall that made it a hang, and what that rests on
 
     @property
     def wait(self) -> Wait:
@@ -122,7 +124,7 @@ def hung(scene: Scene) -> report.Outcome:
         places.verdict(every, hosts),
         details,
         scene.stall,
-        scene.cfg.hang_timeout,
+        scene.window or Window(scene.cfg.hang_timeout, scene.cfg.hang_min, scene.cfg.hang_timeout),
         mismatch.find(calls) if calls else None,
         script_roots(scene.cfg),
     )

@@ -252,7 +252,7 @@ def _watch_hangs(running: Running, snap: Snapshot) -> bool:
     running.notes.extend(found.notes)
     running.waits = found.waits or running.waits
     if found.hung:
-        running.scene.stall = found.stall
+        running.scene.stall, running.scene.window = found.stall, found.window
     return found.hung
 
 
@@ -273,7 +273,7 @@ def _start(job: Job, action: lifecycle.Start) -> Running:
     scene = outcomes.Scene(
         cfg, job.signals, workers, Reader(state_dir), peers, speed.memory.growth, speed.take
     )
-    running = Running(scene, state_dir, Watch(cfg.hang_timeout), speed)
+    running = Running(scene, state_dir, Watch(cfg.hang_timeout, cfg.hang_min), speed)
     running.begun = (action.attempt, action.rounds)
     job.running = running  # stopped by drive() should anything below raise
     for local_rank in range(cfg.nproc_per_node):

@@ -56,6 +56,7 @@ def start_ticking() -> None:
     if w is None:
         return
     main = threading.main_thread().ident
+    answering = _watch_input()
 
     def tick() -> None:
         at: tuple[int, int, int] | None = None
@@ -67,7 +68,7 @@ def start_ticking() -> None:
             # every time: the GPU allocations it makes each step tell it from a wait that
             # never ends
             here = (id(frame), frame.f_lasti, _allocations(gpu)) if frame is not None else None
-            prompt = _at_prompt(frame)
+            prompt = _at_prompt(frame) or answering[0] > 0
             del frame
             now = time.time()
             if here is None or here != at:
@@ -78,6 +79,26 @@ def start_ticking() -> None:
             time.sleep(protocol.TICK_EVERY)
 
     threading.Thread(target=tick, daemon=True, name="ddpkit-tick").start()
+
+
+def _watch_input() -> list[int]:
+    """input() wrapped so that the tick says the rank is at a prompt while the script waits in
+    it for a person (a terminal given with --stdin): waiting for a person is no hang. The
+    returned list holds how many calls wait in it now."""
+    import builtins
+
+    waiting = [0]
+    original = builtins.input
+
+    def input(prompt: object = "") -> str:  # noqa: A001 - it stands in for the builtin
+        waiting[0] += 1
+        try:
+            return original(prompt)
+        finally:
+            waiting[0] -= 1
+
+    builtins.input = input
+    return waiting
 
 
 def _at_prompt(frame: object) -> bool:

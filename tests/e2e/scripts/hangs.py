@@ -51,6 +51,24 @@ elif case == "compute":
             x = (x @ x).tanh()
     dist.all_reduce(torch.ones(1))
     print("finished", flush=True)
+elif case == "warm-up":  # every rank busy before its first step (torch.compile, a cache)
+    end = time.time() + float(sys.argv[2])
+    x = torch.randn(128, 128)
+    while time.time() < end:
+        x = (x @ x).tanh()
+    dist.all_reduce(torch.ones(1))
+    print("finished", flush=True)
+elif case == "slow-save":  # rank 0 writes a checkpoint to a slow disk; the others wait
+    if rank == 0:
+        end = time.time() + float(sys.argv[2])
+        with open(os.path.join(sys.argv[3], "checkpoint.pt"), "wb") as f:
+            while time.time() < end:  # 1 MB/s, flushed to the disk as it goes
+                f.write(b"x" * 100_000)
+                f.flush()
+                os.fsync(f.fileno())
+                time.sleep(0.1)
+    dist.barrier()
+    print("finished", flush=True)
 elif case == "idle":
     time.sleep(float(sys.argv[2]))
     dist.all_reduce(torch.ones(1))

@@ -80,8 +80,14 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     ),
     "hang-timeout": (
         "300",
-        "seconds without progress on every rank before the job is called "
-        "hung, its stacks shown and it is stopped; 0 turns this off",
+        "the most seconds with no progress on any rank before the job is called hung, its "
+        "stacks shown and it is stopped; 0 turns the hang watch off",
+    ),
+    "hang-min": (
+        "20",
+        "the soonest (seconds with no progress on any rank) a job is called hung; a job whose "
+        "own steps are long, or that came back from long quiet stretches, gets more (3 times "
+        "its longest recent step, twice its longest quiet stretch), up to --hang-timeout",
     ),
     "straggler-threshold": (
         "1.2",
@@ -155,6 +161,7 @@ class LaunchConfig:
     run_id_given: bool = False
     master_addr_given: bool = False
     hang_timeout: float = 300.0
+    hang_min: float = 20.0
     straggler_threshold: float = 1.2
     straggler_window: int = 50
     check_collectives: bool = False
@@ -312,6 +319,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         hang_timeout=values.number(
             args.hang_timeout, "--hang-timeout", float, minimum=0, maximum=WEEK
         ),
+        hang_min=values.number(args.hang_min, "--hang-min", float, minimum=1, maximum=WEEK),
         straggler_threshold=values.number(
             args.straggler_threshold, "--straggler-threshold", float, minimum=0, maximum=100
         ),

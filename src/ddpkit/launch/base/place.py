@@ -87,7 +87,7 @@ class Place:
         if d is Doing.TRACED:
             return f"{is_} stopped by a debugger: pid {self.tracer} traces it"
         if d is Doing.AT_PROMPT:
-            return f"{is_} at a debugger prompt (pdb)"
+            return f"{is_} at a prompt (a debugger's or input())"
         if d is Doing.HOLDS_GIL:
             called = f": {self.func}" if self.func else ""
             return f"hold{verb_s} the GIL in C code for {self.seconds:.0f} s{called}"

@@ -4,8 +4,9 @@ The rule (docs/hang-doctor.md): a rank makes progress in a sampling interval whe
 a collective, when ddpkit's loader beats (a batch), or when, outside any
 collective, its process tree used at least BUSY_SHARE of a core (computing on the CPU, or
 feeding and waiting on a GPU, which spins a core). The job is hung when no rank has made
-progress for the hang timeout. A rank that computes for an hour is not hung; a rank that
-sleeps, waits in a collective, or waits on a stuck DataLoader worker is.
+progress for the hang window (ddpkit.launch.hang.window: --hang-min, longer where the job's own
+steps are long, never past --hang-timeout). A rank that computes for an hour is not hung; a
+rank that sleeps, waits in a collective, or waits on a stuck DataLoader worker is.
 
 Stacks come from inside each rank: the bootstrap registered faulthandler on
 protocol.STACKS_SIGNAL, which writes every thread's stack to the rank's stack file even while
@@ -22,12 +23,15 @@ from ddpkit.common import protocol
 from ddpkit.launch.base.snapshot import RankView, Snapshot
 from ddpkit.launch.hang import flight_dumps
 from ddpkit.launch.hang.places import GIL_STALE
+from ddpkit.launch.hang.window import Learned, Window, learn, window
 
 log = logging.getLogger(__name__)
 
 BUSY_SHARE = 0.10
 IO_BYTES_PER_S = 64 * 1024  # a process tree reading or writing this much per second is busy
 SAMPLE_EVERY = 1.0
+HANG_MIN = 20.0  # --hang-min's default: the soonest a stall is a hang
+WAIT_NOTE = 60.0  # a wait this long for a working rank is said (sooner under a lower bound)
 
 
 FLIGHT_EVERY = 2.0  # seconds between flight-recorder polls of NCCL ranks
@@ -75,6 +79,7 @@ class Finding:
 
     hung: bool = False
     stall: float = 0.0  # seconds no rank made progress (every node's)
+    window: Window | None = None  # the stall that makes a hang, and what it rests on
     progressed: bool = False  # a rank of this node made progress: tell the other nodes
     notes: tuple[str, ...] = ()  # what the user should know (said by the edge)
     waits: Waits | None = None  # a long wait for a working rank, to be described
@@ -83,9 +88,12 @@ class Finding:
 
 @dataclass
 class Watch:
-    """The hang watch's state between looks."""
+    """The hang watch's state between looks. `timeout`: --hang-timeout, the bound (0: off);
+    `least`: --hang-min."""
 
     timeout: float
+    least: float = HANG_MIN
+    learned: Learned = field(default_factory=Learned)
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_sample: float = 0.0  # monotonic time of the last sampled snapshot judged
     next_flight: float = 0.0
@@ -112,6 +120,7 @@ def judge(before: Watch, snap: Snapshot, seen: Seen) -> tuple[Watch, Finding]:
     watch.group = watch.group or snap.group()
     for v in snap.ranks:
         watch.ranks.setdefault(v.rank, RankState(last_progress=now, last_compute=now))
+    quiet = stalled_for(watch, now, seen.remote_progress)  # up to this look
     ask: tuple[int, ...] = ()
     if now >= watch.next_flight:
         watch.next_flight = now + FLIGHT_EVERY
@@ -147,21 +156,37 @@ def judge(before: Watch, snap: Snapshot, seen: Seen) -> tuple[Watch, Finding]:
         if advanced or busy or prompt:
             state.last_progress = state.last_compute = now
             state.io_since, state.said_io = 0, False
+        elif record is not None and (held or on_gpu):
+            # its last progress was when its tick stopped, or when it began to wait for its
+            # GPU: the stall is counted from there, not from when that could first be said
+            since = record.ticked if held else record.still
+            state.last_progress = min(state.last_progress, now - max(0.0, snap.wall - since))
         elif moved >= IO_BYTES_PER_S * interval:  # a download, a dataset being written
             state.last_progress = now
             state.io_since += moved
-            quiet = now - state.last_compute
-            if quiet >= watch.timeout and not state.said_io:  # once per stretch
+            computed = now - state.last_compute
+            if computed >= hang_window(watch).seconds and not state.said_io:  # once a stretch
                 state.said_io = True
                 notes.append(
-                    f"rank {v.rank} has done no collective for {quiet:.0f} s but its process tree "
-                    f"read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
+                    f"rank {v.rank} has done no collective for {computed:.0f} s but its process "
+                    f"tree read/wrote {state.io_since / 1e6:.0f} MB: not a hang"
                 )
         state.cpu, state.io, state.record = cpu, io, record
     progressed = any(s.last_progress >= now for s in watch.ranks.values())
     stall = stalled_for(watch, now, seen.remote_progress)
-    found = Finding(stall=stall, progressed=progressed, notes=tuple(notes), ask_flight=ask)
-    if seen.leads and stall >= watch.timeout:
+    watch.learned = learn(
+        watch.learned,
+        now,
+        max((v.count.base + v.count.done for v in snap.ranks if v.count), default=None),
+        quiet,
+        worked=stall < quiet,
+        completed=any(v.record is not None and v.record.finished for v in snap.ranks),
+    )
+    limit = hang_window(watch)
+    found = Finding(
+        stall=stall, window=limit, progressed=progressed, notes=tuple(notes), ask_flight=ask
+    )
+    if seen.leads and stall >= limit.seconds:
         late = [v.rank for v in snap.running if tick_undecided(v, snap.wall)]
         watch.held_since = watch.held_since or now
         # held until a later look says whether C code holds their GIL; bounded, should a
@@ -196,20 +221,27 @@ def _long_wait(watch: Watch, now: float, wall: float) -> Waits | None:
     return Waits(sorted(waiting), sorted(working), wall - max(quiet[r] for r in waiting))
 
 
+def hang_window(watch: Watch) -> Window:
+    """The stall that makes a hang at this look (ddpkit.launch.hang.window)."""
+    nccl = watch.group is not None and watch.group[0] == "nccl"
+    return window(watch.learned, watch.least, watch.timeout, nccl)
+
+
 def _wait_threshold(watch: Watch) -> float:
-    """--hang-timeout, or half the process group's timeout when that is shorter, so the note
-    comes before the group's own timeout ends the job."""
+    """WAIT_NOTE s (--hang-timeout when that is lower), or half the process group's timeout
+    when that is shorter, so the note comes before the group's own timeout ends the job."""
+    threshold = min(watch.timeout, WAIT_NOTE)
     if watch.group is None:
-        return watch.timeout
-    return min(watch.timeout, watch.group[1] / 2)
+        return threshold
+    return min(threshold, watch.group[1] / 2)
 
 
 def _prompt_note(view: RankView, group: tuple[str, float] | None) -> str:
     ends = f" ({group[0]}, {group[1]:g} s)" if group else ""
     return (
-        f"rank {view.rank} is at a debugger prompt (pdb): not a hang; the hang watch leaves "
-        f"the job alone while it is there and the other ranks wait for it (the process "
-        f"group's timeout{ends} still ends the job if the session outlasts it)"
+        f"rank {view.rank} is at a prompt (a debugger's or input()): not a hang; the hang "
+        f"watch leaves the job alone while it is there and the other ranks wait for it (the "
+        f"process group's timeout{ends} still ends the job if the session outlasts it)"
     )
 
 
