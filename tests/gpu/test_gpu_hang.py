@@ -58,6 +58,22 @@ def test_the_rank_whose_gpu_never_finishes_is_named_not_the_rank_waiting_for_it(
     assert re.search(r"rank 0 waits in all_reduce \(gpu_hang\.py:\d+\)", cause), cause
 
 
+def test_with_no_flag_a_kernel_that_never_ends_is_named_within_30_s_of_the_last_step(tmp_path):
+    # the defaults: a job of short steps is judged by --hang-min (20 s), the wait counted from
+    # when the rank began to wait for its GPU
+    job = start(["-n", "1", "--grace", "3", SCRIPT, "forever", "0"], tmp_path)
+    job.wait_for("step 2 loss", timeout=120)
+    stalled = time.monotonic()
+    job.wait_for("root cause:", timeout=90)
+    took = time.monotonic() - stalled
+    assert job.finish(60) == 124, job.stderr
+    print(f"\n{job.stderr[-1500:]}\nnamed {took:.1f} s after the last step")
+    assert took < 30, f"named {took:.1f} s after the last step"
+    assert re.search(rf"rank 0 {WAITS} \(gpu_hang\.py:44\)", job.stderr), job.stderr
+    assert "a hang after 20 s (--hang-min): its steps took at most" in job.stderr
+    assert not job.survivors()
+
+
 def test_a_long_kernel_that_ends_before_the_timeout_is_no_hang(tmp_path):
     job = start(["-n", "1", "--hang-timeout", "20", SCRIPT, "seconds:12", "0"], tmp_path)
     assert job.finish(200) == 0, job.stderr
