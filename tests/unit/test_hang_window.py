@@ -20,8 +20,11 @@ T0 = 1000.0
 WAITING = protocol.Record(5, 0, T0, True, "all_reduce", ticked=T0)
 
 
-def count(steps: int) -> protocol.StepCount:
-    return protocol.StepCount(0, steps, T0, False, False)
+def timed(t: int, step_every: float) -> protocol.StepRecord | None:
+    """The step ring's steps that ended in the second before look `t`, each `step_every` s."""
+    ended = range(int((t - 1) / step_every) + 1, int(t / step_every) + 1) if t else range(0)
+    steps = [protocol.Step(n, T0 + t, step_every, 0.0, step_every, 0.0, 0.0) for n in ended]
+    return protocol.StepRecord(ended.stop - 1 if t else 0, "", steps) if steps else None
 
 
 def ticking(record: protocol.Record, t: float) -> protocol.Record:
@@ -55,7 +58,7 @@ def job(steps_until: int, step_every: float, then: Callable[[int, int], RankView
             record = ticking(protocol.Record(n + 1, 0, T0 + t, False), t)
             return tuple(
                 RankView(r, 100 + r, phase="ready", cpu=float(t), io=0, record=record,
-                         count=count(n))
+                         steps=timed(t, step_every))
                 for r in range(3)
             )  # fmt: skip
         return tuple(then(r, t) for r in range(3))
@@ -65,7 +68,7 @@ def job(steps_until: int, step_every: float, then: Callable[[int, int], RankView
 
 def waiting(rank: int, t: int, cpu: float = 0.0) -> RankView:
     record = ticking(WAITING, t)
-    return RankView(rank, 100 + rank, phase="ready", cpu=cpu, io=0, record=record, count=count(9))
+    return RankView(rank, 100 + rank, phase="ready", cpu=cpu, io=0, record=record)
 
 
 def asleep(rank: int, t: int) -> RankView:
@@ -73,7 +76,7 @@ def asleep(rank: int, t: int) -> RankView:
     if rank != 1:
         return waiting(rank, t, cpu=10.0)
     record = ticking(protocol.Record(5, 0, 0.0, False), t)
-    return RankView(1, 101, phase="ready", cpu=10.0, io=0, record=record, count=count(9))
+    return RankView(1, 101, phase="ready", cpu=10.0, io=0, record=record)
 
 
 def test_a_job_of_short_steps_whose_ranks_stand_still_is_hung_after_hang_min():
@@ -115,18 +118,36 @@ def test_nccl_ranks_waiting_in_their_first_collective_are_given_the_bound():
 
 def test_a_quiet_stretch_the_job_came_back_from_is_doubled_into_the_window():
     learned = Learned()
-    for t, stall, worked in [(1.0, 0.0, True), (40.0, 39.0, True), (41.0, 0.0, True)]:
-        learned = learn(learned, t, None, stall, worked, completed=True)
+    for stall in (0.0, 39.0, 0.0):
+        learned = learn(learned, [], stall, worked=True, met=True, completed=True)
     assert learned.quiet == (39.0,)
     assert window(learned, 20.0, 300.0, nccl=False).seconds == 78.0
 
 
 def test_only_the_recent_steps_count():
-    learned = learn(Learned(), 0.0, 0, 0.0, True, True)
-    learned = learn(learned, 100.0, 1, 0.0, True, True)  # one slow step (a first save)
-    for n in range(2, 60):
-        learned = learn(learned, 100.0 + n, n, 0.0, True, True)
+    learned = learn(Learned(), [100.0], 0.0, True, True, True)  # one slow step (a first save)
+    assert window(learned, 20.0, 300.0, nccl=False).seconds == 300.0
+    for _ in range(59):
+        learned = learn(learned, [1.0], 0.0, True, True, True)
     assert window(learned, 20.0, 300.0, nccl=False).seconds == 20.0
+
+
+def test_each_step_is_the_slowest_ranks():
+    from ddpkit.launch.hang.progress_watch import slowest_steps
+
+    def ring(*totals):
+        return protocol.StepRecord(
+            len(totals),
+            "",
+            [protocol.Step(n, T0, total, 0, total, 0, 0) for n, total in enumerate(totals, 1)],
+        )
+
+    views = (
+        RankView(0, 100, steps=ring(0.1, 0.2)),
+        RankView(1, 101, steps=ring(0.3, 0.1)),
+        RankView(2, 102),
+    )
+    assert slowest_steps(Snapshot(views)) == [0.3, 0.2]
 
 
 def test_a_rank_waiting_for_its_gpu_is_counted_from_when_its_wait_began():
@@ -137,7 +158,7 @@ def test_a_rank_waiting_for_its_gpu_is_counted_from_when_its_wait_began():
             return job(12, 0.5, asleep)(t)
         still = protocol.Record(30, 0, 0.0, False, ticked=T0 + t, still=T0 + 12, gpu="GPU-0")
         cpu = float(t)  # CUDA's wait spins a core
-        return (RankView(0, 100, phase="ready", cpu=cpu, io=0, record=still, count=count(9)),
+        return (RankView(0, 100, phase="ready", cpu=cpu, io=0, record=still),
                 waiting(1, t), waiting(2, t))  # fmt: skip
 
     at = hung_at(views, seen=lambda t: Seen(on_gpu=frozenset({0}) if t >= 14 else frozenset()))
@@ -149,17 +170,16 @@ WORK: dict[str, Callable[[int, int], RankView]] = {
     "computing": lambda r, t: waiting(r, t, cpu=float(t) if r == 0 else 1.0)
     if r
     else RankView(0, 100, phase="ready", cpu=float(t), io=0,
-                  record=ticking(protocol.Record(5, 0, 0.0, False), t), count=count(9)),
+                  record=ticking(protocol.Record(5, 0, 0.0, False), t)),
     # rank 0 writes a checkpoint at 1 MB/s to a slow disk while the others wait
     "writing": lambda r, t: RankView(r, 100 + r, phase="ready", cpu=1.0,
                                      io=t * 1_000_000 if r == 0 else 0,
                                      record=ticking(protocol.Record(5, 0, 0.0, False), t)
-                                     if r == 0 else ticking(WAITING, t), count=count(9)),
+                                     if r == 0 else ticking(WAITING, t)),
     # a person at rank 0's debugger prompt
     "debugged": lambda r, t: RankView(r, 100 + r, phase="ready", cpu=1.0, io=0,
                                       record=ticking(protocol.Record(5, 0, 0.0, False,
-                                                                     prompt=r == 0), t),
-                                      count=count(9)),
+                                                                     prompt=r == 0), t)),
 }  # fmt: skip
 
 
@@ -169,10 +189,24 @@ def test_work_that_keeps_the_others_waiting_is_never_cut(kind):
 
 
 def test_the_verdict_says_what_its_timing_rests_on():
-    learned = Learned(steps=(0.04, 0.05))
+    learned = Learned(steps=(0.04, 0.05), met=True)
     said = window(learned, 20.0, 300.0, nccl=False).basis()
     assert said == "a hang after 20 s (--hang-min): its steps took at most 0.05 s (the last 50)"
     assert (
         Window(300, 20, 300, step=200.0).basis().startswith("a hang after 300 s (--hang-timeout)")
     )
-    assert "no NCCL collective had completed yet" in window(Learned(), 20, 300, True).basis()
+    connecting = window(Learned(met=True), 20, 300, nccl=True).basis()
+    assert "no NCCL collective had completed yet" in connecting
+    assert "not every rank had finished init" in window(Learned(), 20, 300, nccl=False).basis()
+
+
+def test_ranks_waiting_for_one_that_never_finished_init_are_given_the_bound():
+    # init's own watch (--init-timeout) names a rank that never arrives; the hang watch waits
+    def views(t):
+        return (
+            waiting(0, t),
+            waiting(1, t),
+            RankView(2, 102, phase="init", cpu=0.0, io=0, record=ticking(WAITING, t)),
+        )
+
+    assert hung_at(views) in (300, 301)

@@ -176,10 +176,10 @@ def judge(before: Watch, snap: Snapshot, seen: Seen) -> tuple[Watch, Finding]:
     stall = stalled_for(watch, now, seen.remote_progress)
     watch.learned = learn(
         watch.learned,
-        now,
-        max((v.count.base + v.count.done for v in snap.ranks if v.count), default=None),
+        slowest_steps(snap),
         quiet,
         worked=stall < quiet,
+        met=all(v.phase == "ready" for v in snap.ranks),
         completed=any(v.record is not None and v.record.finished for v in snap.ranks),
     )
     limit = hang_window(watch)
@@ -219,6 +219,16 @@ def _long_wait(watch: Watch, now: float, wall: float) -> Waits | None:
     watch.said_wait = True
     log.debug("ranks %s wait while ranks %s work: a long wait", waiting, working)
     return Waits(sorted(waiting), sorted(working), wall - max(quiet[r] for r in waiting))
+
+
+def slowest_steps(snap: Snapshot) -> list[float]:
+    """The seconds of each step timed since the last read of the step rings, the slowest
+    rank's, in step order (every script's optimizer steps are timed: ddpkit.rank.steps)."""
+    slowest: dict[int, float] = {}
+    for v in snap.ranks:
+        for step in v.steps.steps if v.steps else ():
+            slowest[step.number] = max(slowest.get(step.number, 0.0), step.total)
+    return [slowest[n] for n in sorted(slowest)]
 
 
 def hang_window(watch: Watch) -> Window:

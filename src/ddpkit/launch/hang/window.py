@@ -4,9 +4,10 @@ A stall is time in which no rank did work (ddpkit.launch.hang.progress_watch say
 is). A job of short steps that stalls for `--hang-min` seconds (20 by default) is hung. A job
 whose own steps are long, or that came back by itself from long quiet stretches before, is
 given more: STEPS_AHEAD times its longest recent step, QUIET_AHEAD times its longest quiet
-stretch that ended in work. `--hang-timeout` bounds it all from above. On NCCL, until the first
-collective completed (NCCL connects the ranks inside it: minutes on thousands of GPUs) only
-the bound applies.
+stretch that ended in work. `--hang-timeout` bounds it all from above. Only the bound applies
+until every rank has finished init_process_group (the init watch and --init-timeout have
+that), and on NCCL until the first collective completed (NCCL connects the ranks inside it:
+minutes on thousands of GPUs).
 
 Pure: `learn` takes what one look saw and returns the next state; `window` says the seconds
 and what they rest on, for the verdict to say.
@@ -26,10 +27,9 @@ QUIET_WORTH = 1.0  # a quiet stretch shorter than this (a look or two) is no evi
 class Learned:
     """What the job showed of itself so far."""
 
-    steps: tuple[float, ...] = ()  # seconds of each recent step (the job's optimizer steps)
+    steps: tuple[float, ...] = ()  # seconds of each recent step (optimizer step to step)
     quiet: tuple[float, ...] = ()  # seconds of each recent quiet stretch that ended in work
-    count: int = -1  # the job's step count at `count_at` (-1: not yet seen)
-    count_at: float = 0.0  # monotonic time the count last changed
+    met: bool = False  # every rank finished init_process_group
     connected: bool = False  # a collective completed: NCCL's ranks are connected
 
 
@@ -42,7 +42,9 @@ class Window:
     bound: float  # --hang-timeout
     step: float | None = None  # the job's longest recent step, once one was timed
     quiet: float | None = None  # its longest quiet stretch that ended in work, if any
-    connecting: bool = False  # NCCL's first collective has not completed: only the bound
+    # why only the bound applies: "init" (a rank had not finished init_process_group),
+    # "nccl" (no NCCL collective had completed), or "" (it does not)
+    before: str = ""
 
     def flag(self) -> tuple[str, float]:
         """The option that set the window, and its value: the one to raise."""
@@ -52,7 +54,12 @@ class Window:
 
     def basis(self) -> str:
         """'a hang after 20 s: this job's steps take at most 0.05 s, ...' for the report."""
-        if self.connecting:
+        if self.before == "init":
+            return (
+                f"a hang after {self.seconds:g} s (--hang-timeout): not every rank had finished "
+                "init_process_group"
+            )
+        if self.before == "nccl":
             return (
                 f"a hang after {self.seconds:g} s (--hang-timeout): no NCCL collective had "
                 "completed yet, and NCCL connects the ranks inside the first one"
@@ -76,26 +83,27 @@ def _secs(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
-def learn(before: Learned, now: float, count: int | None, stall: float, worked: bool,
-          completed: bool) -> Learned:  # fmt: skip
-    """The next state: `count` the job's step count at this look (None: none counted),
-    `stall` the quiet stretch up to this look, `worked` whether a rank worked in it,
-    `completed` whether a rank has completed a collective."""
-    learned = replace(before, connected=before.connected or completed)
+def learn(
+    before: Learned, steps: list[float], stall: float, worked: bool, met: bool, completed: bool
+) -> Learned:
+    """The next state: `steps` the seconds of the steps timed since the last look (the
+    slowest rank's, step by step), `stall` the quiet stretch up to this look, `worked`
+    whether a rank worked in it, `met` whether every rank has finished init, `completed`
+    whether a rank has completed a collective."""
+    learned = replace(before, met=before.met or met, connected=before.connected or completed)
     if worked and stall >= QUIET_WORTH:
         learned = replace(learned, quiet=(*learned.quiet, stall)[-RECENT:])
-    if count is None or count == before.count:
-        return learned
-    if before.count >= 0 and count > before.count:  # the first count seen times no step
-        each = (now - before.count_at) / (count - before.count)
-        learned = replace(learned, steps=(*learned.steps, each)[-RECENT:])
-    return replace(learned, count=count, count_at=now)
+    if steps:
+        learned = replace(learned, steps=(*learned.steps, *steps)[-RECENT:])
+    return learned
 
 
 def window(learned: Learned, least: float, bound: float, nccl: bool) -> Window:
     """The stall that makes a hang now."""
+    if not learned.met:
+        return Window(bound, least, bound, before="init")
     if nccl and not learned.connected:
-        return Window(bound, least, bound, connecting=True)
+        return Window(bound, least, bound, before="nccl")
     step = max(learned.steps) if learned.steps else None
     quiet = max(learned.quiet) if learned.quiet else None
     wanted = max(least, STEPS_AHEAD * (step or 0.0), QUIET_AHEAD * (quiet or 0.0))
