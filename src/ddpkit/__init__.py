@@ -4,6 +4,8 @@
     s = ddpkit.setup()
     model = s.wrap(model)
 
+    ddpkit.spawn(main, args=(...), nprocs=4)   # mp.spawn's call, ddpkit run underneath
+
 This module only re-exports. Names are resolved lazily so that `ddpkit --help` and the launcher
 start without importing torch.
 """
@@ -17,6 +19,7 @@ from ddpkit.errors import DdpkitError
 
 if TYPE_CHECKING:
     from ddpkit.env import DistEnv, read_env  # noqa: F401
+    from ddpkit.spawning import JobFailedError, spawn  # noqa: F401
     from ddpkit.train.seeding import seed_everything  # noqa: F401
     from ddpkit.train.session import Session, Step, setup  # noqa: F401
     from ddpkit.train.wrapping import unwrap  # noqa: F401
@@ -29,6 +32,8 @@ _LAZY = {
     "DistEnv": "ddpkit.env",
     "read_env": "ddpkit.env",
     "seed_everything": "ddpkit.train.seeding",
+    "spawn": "ddpkit.spawning",
+    "JobFailedError": "ddpkit.spawning",
 }
 
 __all__ = ["DdpkitError", "__version__", *_LAZY]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ddpkit.launch.base import config, mistakes, torchrun_flags
 
@@ -63,6 +64,10 @@ def split_argv(words: list[str]) -> tuple[list[str], list[str]]:
     return words, []
 
 
+if TYPE_CHECKING:
+    from ddpkit.launch.report import Ended
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config.from_args(args)
     return start(cfg)
@@ -70,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
 
 def start(cfg: config.LaunchConfig) -> int:
     """Warn about a privileged port and what in the environment will not do what was meant,
-    then hand over to the supervisor (which imports torch)."""
+    then hand over to the supervisor (which imports torch); the exit code."""
+    return start_job(cfg).exit_code
+
+
+def start_job(cfg: config.LaunchConfig) -> Ended:
+    """`start`, saying how the job ended (for ddpkit.spawn)."""
     from ddpkit.launch.base import ports
 
     warnings = [
@@ -80,6 +90,6 @@ def start(cfg: config.LaunchConfig) -> int:
     ]
     for warning in filter(None, warnings):
         print(f"ddpkit: warning: {warning}", file=sys.stderr, flush=True)
-    from ddpkit.launch.supervisor import launch
+    from ddpkit.launch.supervisor import launch_job
 
-    return launch(cfg)
+    return launch_job(cfg)

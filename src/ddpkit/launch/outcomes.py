@@ -157,6 +157,6 @@ COLLECTORS: dict[Verdict, Callable[[Scene], report.Outcome]] = {
 def script_roots(cfg: LaunchConfig) -> list[Path]:
     """Where the script's files are: its folder, and the folder the job started in."""
     roots = [Path.cwd()]
-    if cfg.kind == "script":
+    if cfg.kind == "script" or (cfg.kind == "function" and cfg.target.endswith(".py")):
         roots.insert(0, Path(cfg.target).resolve().parent)
     return roots

@@ -25,6 +25,16 @@ from ddpkit.launch.peers.liveness import Abort
 
 
 @dataclass(frozen=True)
+class Ended:
+    """How a job ended: its exit code, its run folder and the outcome reported (None when it
+    ended before any attempt started)."""
+
+    exit_code: int
+    run_dir: Path | None = None
+    outcome: Outcome | None = None
+
+
+@dataclass(frozen=True)
 class Outcome:
     ok: bool
     exit_code: int

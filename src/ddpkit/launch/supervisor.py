@@ -126,6 +126,11 @@ class Running:
 
 def launch(cfg: LaunchConfig) -> int:
     """Run the job described by `cfg`; return the exit code for `ddpkit run`."""
+    return launch_job(cfg).exit_code
+
+
+def launch_job(cfg: LaunchConfig) -> report.Ended:
+    """Run the job described by `cfg`; how it ended."""
     _prepare(cfg)
     base = rundir.base_folder(cfg.log_dir)  # bad --log-dir: an error before anything starts
     node = join(cfg)  # meet, before our handlers: Ctrl+C while waiting for nodes just stops
@@ -147,7 +152,8 @@ def launch(cfg: LaunchConfig) -> int:
         _say_start(cfg, node, run_dir)
         guard = watchdog.start(node.run_id, cfg.grace)
         job = Job(cfg, run_dir, signals, guard, node)
-        return drive(job)
+        code = drive(job)
+        return report.Ended(code, run_dir, job.running.outcome if job.running else None)
     finally:
         (job.node if job is not None else node).close()
         if guard is not None:

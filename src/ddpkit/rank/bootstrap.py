@@ -1,6 +1,7 @@
 """The first code a worker runs: ties the worker to the launcher, then runs the user's script.
 
 `python -m ddpkit.rank.bootstrap script|module|command TARGET [ARGS...]`
+`python -m ddpkit.rank.bootstrap function SCRIPT|MODULE QUALNAME ARGS_FILE` (ddpkit.spawn)
 
 Before the user's code, in this order, each concern in a module of its own:
 
@@ -83,9 +84,13 @@ def main(argv: list[str]) -> None:
     from ddpkit.rank import failure
 
     failure.record_errors()
-    sys.argv = [target, *args]
+    sys.argv = [target, *args] if kind != "function" else sys.argv[:1]
     try:
-        if kind == "module":
+        if kind == "function":
+            from ddpkit.rank.spawned import run_function
+
+            run_function(target, *args)
+        elif kind == "module":
             sys.path.insert(0, os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:

@@ -28,7 +28,7 @@ from ddpkit.launch.base import torchrun_flags, values
 from ddpkit.launch.base.mistakes import fix_for_option, is_python, launcher_flags_after
 from ddpkit.launch.base.torchrun_flags import TorchrunOptions
 
-TargetKind = Literal["script", "module", "command"]
+TargetKind = Literal["script", "module", "command", "function"]  # function: ddpkit.spawn
 DAY, WEEK = 86400.0, 7 * 86400.0  # the longest grace, and the longest timeouts
 MAX_NODES = 100_000
 __all__ = ["LaunchConfig", "add_options", "add_switches", "build", "from_args", "replace"]
