@@ -91,7 +91,7 @@ def spawn(
         try:
             script = config.build(
                 "script" if target.endswith(".py") else "module",
-                target,
+                target or "ddpkit",  # a notebook's function: no script, any module will do
                 (),
                 None,
                 nproc_per_node=None if nprocs is None else str(nprocs),
@@ -104,7 +104,15 @@ def spawn(
                 "(hang_timeout=60, max_restarts=2, log_dir='runs'): `ddpkit run --help` "
                 "lists them",
             ) from None
-        cfg = config.replace(script, kind="function", args=(qualname, str(pickled)))
+        if target:
+            cfg = config.replace(script, kind="function", args=(qualname, str(pickled)))
+        else:  # each rank a fork of this process, which alone holds fn; no warm spares then
+            from ddpkit.rank.bootstrap import run_forked
+
+            call = (run_forked, (fn, tuple(args)))
+            cfg = config.replace(
+                script, kind="function", target="<notebook>", args=(), forked=call, spares=False
+            )
         from ddpkit.cli.run import start_job
 
         ended = start_job(cfg)
@@ -132,13 +140,18 @@ def where_to_find(fn: Callable[..., Any]) -> tuple[str, str]:
         return module, qualname
     main = sys.modules["__main__"]
     path = getattr(main, "__file__", None)
-    if not path or not os.path.exists(path):
+    if path and os.path.exists(path):
+        return os.path.abspath(path), qualname
+    # defined in a notebook or at the Python prompt: no file to import it from, so each rank
+    # is a fork of this process (as notebook_launcher does), which CUDA must not be used in yet
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
         raise ConfigError(
-            f"ddpkit.spawn cannot find {qualname} again in a new process: it was defined in an "
-            "interactive session (a notebook or the Python prompt), which has no file to "
-            "import it from",
-            "put fn in a .py file next to the notebook and import it from there "
-            "(`from train import main; ddpkit.spawn(main, ...)`), or run the script with "
-            "`python script.py`",
+            "ddpkit.spawn forks the ranks from this kernel (its function was defined here), and "
+            "CUDA is already initialised in it: a forked process cannot use CUDA",
+            "restart the kernel and call ddpkit.spawn before anything touches the GPU in it "
+            "(torch.cuda calls, .cuda(), .to('cuda')): put that work inside the function; or "
+            "move the function to a .py file next to the notebook and import it (the ranks then "
+            "start fresh)",
         )
-    return os.path.abspath(path), qualname
+    return "", qualname

@@ -14,10 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import psutil
 
 from ddpkit.common import nccl_transport, procs, protocol
+from ddpkit.launch import forked
 from ddpkit.launch.base.config import LaunchConfig
 from ddpkit.launch.base.output import RankOutput
 from ddpkit.launch.base.worker import Signals, Worker
@@ -137,6 +139,9 @@ def worker_command(cfg: LaunchConfig, env: dict[str, str], spare: int | None = N
 
 
 def start_worker(cfg: LaunchConfig, rank: int, env: dict[str, str], run_dir: Path) -> Worker:
+    if cfg.forked is not None:  # a notebook's function: the rank is a fork of this process
+        child = forked.start(cfg.forked, env, [*FORWARDED, *cfg.torchrun.signals])
+        return worker_of(cfg, rank, env, run_dir, cast("subprocess.Popen[bytes]", child))
     cmd = worker_command(cfg, env)
     reads_stdin = stdin_rank(cfg) == rank
     store_fd = env.get(protocol.STORE_FD)

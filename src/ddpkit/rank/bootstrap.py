@@ -35,6 +35,8 @@ import sys
 import traceback
 import types
 import zipfile
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ddpkit.common import protocol
 from ddpkit.rank import runtime, streams, tether
@@ -53,6 +55,28 @@ def set_phase(phase: str) -> None:
 
 def main(argv: list[str]) -> None:
     kind, target, *args = argv
+    prepare(kind, target, args)
+    sys.argv = [target, *args] if kind != "function" else sys.argv[:1]
+    if kind == "function":
+        from ddpkit.rank.spawned import run_function
+
+        run(lambda: run_function(target, *args))
+    elif kind == "module":
+        sys.path.insert(0, os.getcwd())
+        run(lambda: runpy.run_module(target, run_name="__main__", alter_sys=True))
+    else:
+        run(lambda: run_script(target))
+
+
+def run_forked(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    """A rank forked from the process that called ddpkit.spawn (a notebook's kernel, whose
+    function cannot be imported again): `fn(local_rank, *args)`, as main runs a script."""
+    prepare("function", "", [])
+    run(lambda: fn(int(os.environ.get("LOCAL_RANK", "0")), *args))
+
+
+def prepare(kind: str, target: str, args: list[str]) -> None:
+    """Everything before the user's code (the module docstring's list)."""
     tether.tie_to_launcher()
     store_fd = os.environ.get(protocol.STORE_FD)
     if store_fd:  # the rank's own children (loader workers, subprocesses) never get it
@@ -84,17 +108,12 @@ def main(argv: list[str]) -> None:
     from ddpkit.rank import failure
 
     failure.record_errors()
-    sys.argv = [target, *args] if kind != "function" else sys.argv[:1]
-    try:
-        if kind == "function":
-            from ddpkit.rank.spawned import run_function
 
-            run_function(target, *args)
-        elif kind == "module":
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            run_script(target)
+
+def run(user_code: Callable[[], object]) -> None:
+    """Run the user's code and end as `python script.py` ends (never returns)."""
+    try:
+        user_code()
     except SystemExit as done:
         if done.code not in (None, 0):
             code = done.code if isinstance(done.code, int) else 1

@@ -16,10 +16,10 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ddpkit.common.gpus import visible_gpu_count
 from ddpkit.env import LOOPBACK, _int, slurm_hosts, slurm_port
@@ -171,6 +171,9 @@ class LaunchConfig:
     torchrun: TorchrunOptions = TorchrunOptions()  # what torchrun's own flags asked for
     raw_output: bool = False  # no [rank N] prefix (ddpkit bench prints nccl-tests' table)
     track: bool = True  # per-collective records and the flight recorder (hang doctor)
+    # ddpkit.spawn of a function defined in a notebook: each rank is a fork of this process
+    # that runs entry(*arguments) (ddpkit.launch.forked); None: ranks are started commands
+    forked: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
 
     @property
     def multi_node(self) -> bool:

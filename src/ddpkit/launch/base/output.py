@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
 from ddpkit.common.protocol import ERR_END, ERR_START, LOG_END, LOG_ONLY, LOG_START
 from ddpkit.launch.base.rundir import open_private
@@ -236,7 +236,26 @@ def _pieces(data: bytes) -> list[bytes]:
 
 
 def _buffer(stream: object) -> BinaryIO | None:
-    return getattr(stream, "buffer", None)
+    """The stream's bytes side; for a text stream that has none (a notebook's cell output:
+    ipykernel's OutStream), the text written through it."""
+    buffer = getattr(stream, "buffer", None)
+    if buffer is None and hasattr(stream, "write"):
+        return cast(BinaryIO, _TextSink(stream))
+    return buffer
+
+
+class _TextSink:
+    """Bytes written as text to a stream with no bytes side."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, data: bytes) -> int:
+        self.stream.write(data.decode(errors="replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 CONSOLE = Console()
