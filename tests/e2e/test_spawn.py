@@ -144,6 +144,29 @@ def test_ctrl_c_ends_every_rank_and_the_call_raises_keyboard_interrupt(tmp_path)
     assert not left_of(script)
 
 
+def test_ddpkit_ps_and_stacks_see_the_spawned_job_its_caller_as_the_launcher(tmp_path):
+    script = copy(tmp_path, TRAIN)
+    proc, _ = started(script)
+    try:
+        ps = subprocess.run([sys.executable, "-m", "ddpkit", "ps"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+        rows = [line.split() for line in ps.stdout.splitlines() if str(script) in line
+                or line.split()[3:4] == [str(proc.pid)]]  # fmt: skip
+        roles = sorted((row[1], row[2]) for row in rows)
+        assert roles == [("launcher", "-"), ("worker", "0"), ("worker", "1")], ps.stdout
+        # the ranks' command is the script, not the bootstrap (cut to 80 characters)
+        assert f"python {script} (ddpkit.spawn: main)"[:80] in ps.stdout, ps.stdout
+        job = rows[0][0]
+        stacks = subprocess.run([sys.executable, "-m", "ddpkit", "stacks", job],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert stacks.returncode == 0, stacks.stderr
+        assert re.search(r"rank 1 .* main at train\.py:\d+", stacks.stdout), stacks.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=bound(30))
+    assert not left_of(script)
+
+
 def test_the_caller_sigkilled_leaves_no_rank_behind(tmp_path):
     script = copy(tmp_path, TRAIN)
     proc, _ = started(script)

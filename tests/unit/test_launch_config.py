@@ -271,6 +271,8 @@ def test_a_rank_of_ddpkit_run_is_listed_by_its_script_not_the_bootstrap():
     assert shown_command(words) == "python3 train.py --lr 3"
     module = ["python", "-m", "ddpkit.rank.bootstrap", "module", "pkg.train", "x"]
     assert shown_command(module) == "python -m pkg.train x"
+    spawned = ["python", "-m", "ddpkit.rank.bootstrap", "function", "/w/t.py", "main", "/a.pk"]
+    assert shown_command(spawned) == "python /w/t.py (ddpkit.spawn: main)"
     assert shown_command(["torchrun", "--nproc-per-node", "2", "t.py"]) == (
         "torchrun --nproc-per-node 2 t.py"
     )

@@ -104,6 +104,8 @@ def shown_command(words: list[str]) -> str:
         if len(rest) >= 2:
             kind, target, *args = rest
             python = os.path.basename(words[0]) if words else "python"
+            if kind == "function":  # ddpkit.spawn's rank: the script, and the function it runs
+                return f"{python} {target} (ddpkit.spawn: {args[0] if args else '?'})"
             shown = {"script": [python, target], "module": [python, "-m", target]}
             return " ".join(shown.get(kind, [target]) + args)
     return " ".join(words)
@@ -146,14 +148,25 @@ def list_training_processes() -> list[TrainingProcess]:
     gpu_mem = _gpu_memory_by_pid()
     me = os.getpid()
     found: list[TrainingProcess] = []
-    for proc in psutil.process_iter(["pid", "ppid", "create_time", "status", "cmdline", "name"]):
+    procs = list(psutil.process_iter(["pid", "ppid", "create_time", "status", "cmdline", "name"]))
+    environs = {proc.pid: _environ(proc) for proc in procs if proc.pid != me}
+    # a launcher that is not `ddpkit run` (a script calling ddpkit.spawn, a notebook's kernel)
+    # is known by its ranks: they name it
+    launched = {
+        int(env[protocol.LAUNCHER_PID]): job
+        for env in environs.values()
+        if protocol.LAUNCHER_PID in env
+        and (job := job_of(env))
+        and env[protocol.LAUNCHER_PID].isdigit()
+    }
+    for proc in procs:
         if proc.pid == me:
             continue
-        environ = _environ(proc)
+        environ = environs[proc.pid]
         job = job_of(environ)
         role = "worker" if job and environ.get("RANK") is not None else "child"
         if job is None:
-            job = _launcher_job(proc)
+            job = _launcher_job(proc) or launched.get(proc.pid)
             role = "launcher"
         elif protocol.LAUNCHER_PID not in environ and _launcher_job(proc):
             role = "launcher"
