@@ -39,6 +39,14 @@ def left_of(script: Path) -> list[psutil.Process]:
     return found
 
 
+def ran(tmp_path: Path, mode: str, code: int) -> tuple[str, str]:
+    """train.py run to its end in `mode` by a caller that exits `code`: its stdout, stderr."""
+    proc = caller(copy(tmp_path, TRAIN), mode)
+    out, err = proc.communicate(timeout=bound(90))
+    assert proc.returncode == code, out + err
+    return out, err
+
+
 def caller(script: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     environ = {**os.environ, "DDPKIT_LOG_DIR": str(script.parent / "logs"), **(env or {})}
     return subprocess.Popen(
@@ -80,10 +88,7 @@ def test_the_ranks_get_fn_args_and_the_callers_argv_and_the_caller_goes_on(tmp_p
 
 
 def test_a_rank_raising_raises_what_carries_the_root_cause_and_nothing_is_left(tmp_path):
-    script = copy(tmp_path, TRAIN)
-    proc = caller(script, "caught")
-    out, err = proc.communicate(timeout=bound(90))
-    assert proc.returncode == 0, out + err
+    out, err = ran(tmp_path, "caught", 0)
     caught = re.search(r"caught: exit code (\d+); root cause: (.*); fix: .*; run dir (\S+)", out)
     assert caught, out + err
     assert caught.group(1) == "1"
@@ -91,14 +96,11 @@ def test_a_rank_raising_raises_what_carries_the_root_cause_and_nothing_is_left(t
     assert "train.py:" in caught.group(2), "its line"
     assert (Path(caught.group(3)) / "report.txt").exists()
     assert "root cause: rank 1" in err, "the report, as ddpkit run prints it"
-    assert not left_of(script)
+    assert not left_of(tmp_path / TRAIN.name)
 
 
 def test_uncaught_the_failure_is_said_in_a_line_without_a_traceback(tmp_path):
-    script = copy(tmp_path, TRAIN)
-    proc = caller(script, "raises")
-    out, err = proc.communicate(timeout=bound(90))
-    assert proc.returncode == 1, out + err
+    out, err = ran(tmp_path, "raises", 1)
     assert re.search(r"error: the job ended with exit code 1: rank 1 exited with code 1 "
                      r"\(ValueError", err), err  # fmt: skip
     assert "Traceback" not in err.split("error: the job ended")[1], "no traceback of spawn's"
@@ -106,14 +108,11 @@ def test_uncaught_the_failure_is_said_in_a_line_without_a_traceback(tmp_path):
 
 
 def test_a_hang_is_named_and_raises_with_its_exit_code_options_from_keywords(tmp_path):
-    script = copy(tmp_path, TRAIN)
-    proc = caller(script, "hangs")  # hang_timeout=3 given to ddpkit.spawn
-    out, err = proc.communicate(timeout=bound(90))
-    assert proc.returncode == 1, out + err
+    out, err = ran(tmp_path, "hangs", 1)  # hang_timeout=3 given to ddpkit.spawn
     assert "ddpkit: the job hung" in err
     assert re.search(r"rank 1 is elsewhere: main \(train\.py:\d+\)", err), err
     assert "error: the job ended with exit code 124: no rank made progress" in err
-    assert not left_of(script)
+    assert not left_of(tmp_path / TRAIN.name)
 
 
 def started(script: Path, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
@@ -150,13 +149,13 @@ def test_ddpkit_ps_and_stacks_see_the_spawned_job_its_caller_as_the_launcher(tmp
     try:
         ps = subprocess.run([sys.executable, "-m", "ddpkit", "ps"], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
-        rows = [line.split() for line in ps.stdout.splitlines() if str(script) in line
-                or line.split()[3:4] == [str(proc.pid)]]  # fmt: skip
+        table = [line.split() for line in ps.stdout.splitlines()[1:]]
+        job = next(row[0] for row in table if row[3] == str(proc.pid))  # the caller's job
+        rows = [row for row in table if row[0] == job]
         roles = sorted((row[1], row[2]) for row in rows)
         assert roles == [("launcher", "-"), ("worker", "0"), ("worker", "1")], ps.stdout
         # the ranks' command is the script, not the bootstrap (cut to 80 characters)
         assert f"python {script} (ddpkit.spawn: main)"[:80] in ps.stdout, ps.stdout
-        job = rows[0][0]
         stacks = subprocess.run([sys.executable, "-m", "ddpkit", "stacks", job],
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         assert stacks.returncode == 0, stacks.stderr

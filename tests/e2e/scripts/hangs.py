@@ -43,19 +43,14 @@ elif case == "loader":
     loader = torch.utils.data.DataLoader(StuckOnRank1(), batch_size=1, num_workers=1)
     for batch in loader:  # @loader-loop
         dist.all_reduce(batch)  # @loader-collective
-elif case == "compute":
-    if rank == 1:
+elif case in ("compute", "warm-up"):
+    # compute: rank 1 computes while the others wait; warm-up: every rank is busy before its
+    # first step (torch.compile, a cache warming)
+    if rank == 1 or case == "warm-up":
         end = time.time() + float(sys.argv[2])
         x = torch.randn(128, 128)
         while time.time() < end:
             x = (x @ x).tanh()
-    dist.all_reduce(torch.ones(1))
-    print("finished", flush=True)
-elif case == "warm-up":  # every rank busy before its first step (torch.compile, a cache)
-    end = time.time() + float(sys.argv[2])
-    x = torch.randn(128, 128)
-    while time.time() < end:
-        x = (x @ x).tanh()
     dist.all_reduce(torch.ones(1))
     print("finished", flush=True)
 elif case == "slow-save":  # rank 0 writes a checkpoint to a slow disk; the others wait
