@@ -87,6 +87,18 @@ def test_the_ranks_get_fn_args_and_the_callers_argv_and_the_caller_goes_on(tmp_p
     assert not left_of(script)
 
 
+def test_a_failed_rank_is_restarted_with_max_restarts_and_the_job_goes_on(tmp_path):
+    out, err = ran(tmp_path, "flaky", 0)  # max_restarts=1 given to ddpkit.spawn
+    assert "rank 1 exited with code 1 (ValueError: a bad batch" in err, err
+    assert "ddpkit: restarting the whole group (1 of 1)" in err, err
+    assert out.rstrip().endswith("the caller goes on after the job")
+
+
+def test_ddpkit_setup_inside_the_function_works_as_in_a_script(tmp_path):
+    out, _ = ran(tmp_path, "setup", 0)
+    assert "[rank 1] rank 1: setup gave rank 1 of 2" in out, out
+
+
 def test_a_rank_raising_raises_what_carries_the_root_cause_and_nothing_is_left(tmp_path):
     out, err = ran(tmp_path, "caught", 0)
     caught = re.search(r"caught: exit code (\d+); root cause: (.*); fix: .*; run dir (\S+)", out)
